@@ -1,0 +1,1 @@
+"""Benchmarks that reproduce every performance claim in the README."""

@@ -1,0 +1,1 @@
+"""Offline exporters: Hugging Face checkpoints in, quantized artifacts and a manifest out."""

@@ -1,0 +1,1 @@
+"""The catalog of known models and target/draft pairs, and the local model store."""

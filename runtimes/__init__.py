@@ -1,0 +1,1 @@
+"""Model runtimes: evaluate token batches, return logits rows, roll KV back. Nothing about speculation."""

@@ -1,0 +1,399 @@
+"""llama.cpp runtime over llama-cpp-python's low-level API.
+
+Every ctypes call into llama-cpp-python lives in this module: its names change between releases,
+so one file is all that has to follow them.
+
+Memory: the model's weights (mmap'd by default), a KV cache of n_ctx cells of the chosen types,
+one reusable batch of n_batch tokens, and logits only for the rows asked for — never the
+n_ctx x n_vocab buffer that `logits_all=True` allocates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+import llama_cpp as ll
+
+from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
+from edgespec.runtimes.base import MemoryReport, VocabInfo
+
+# KV cache element types by name, with bytes per element (block types averaged over their block).
+KV_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (ll.GGML_TYPE_F32, 4.0),
+    "f16": (ll.GGML_TYPE_F16, 2.0),
+    "q8_0": (ll.GGML_TYPE_Q8_0, 34 / 32),
+    "q5_1": (ll.GGML_TYPE_Q5_1, 24 / 32),
+    "q5_0": (ll.GGML_TYPE_Q5_0, 22 / 32),
+    "q4_1": (ll.GGML_TYPE_Q4_1, 20 / 32),
+    "q4_0": (ll.GGML_TYPE_Q4_0, 18 / 32),
+}
+
+# Model file types `quantize` can write, by the names llama.cpp's tools use.
+QUANT_TYPES: dict[str, int] = {
+    "f32": ll.LLAMA_FTYPE_ALL_F32,
+    "f16": ll.LLAMA_FTYPE_MOSTLY_F16,
+    "bf16": ll.LLAMA_FTYPE_MOSTLY_BF16,
+    "q8_0": ll.LLAMA_FTYPE_MOSTLY_Q8_0,
+    "q6_k": ll.LLAMA_FTYPE_MOSTLY_Q6_K,
+    "q5_k_m": ll.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+    "q5_k_s": ll.LLAMA_FTYPE_MOSTLY_Q5_K_S,
+    "q5_0": ll.LLAMA_FTYPE_MOSTLY_Q5_0,
+    "q5_1": ll.LLAMA_FTYPE_MOSTLY_Q5_1,
+    "q4_k_m": ll.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    "q4_k_s": ll.LLAMA_FTYPE_MOSTLY_Q4_K_S,
+    "q4_0": ll.LLAMA_FTYPE_MOSTLY_Q4_0,
+    "q4_1": ll.LLAMA_FTYPE_MOSTLY_Q4_1,
+    "q3_k_m": ll.LLAMA_FTYPE_MOSTLY_Q3_K_M,
+    "q2_k": ll.LLAMA_FTYPE_MOSTLY_Q2_K,
+}
+
+_VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv"}
+
+
+# --- logging: llama.cpp prints to stderr unless told otherwise -------------------------------
+
+class _Log:
+    """Routes llama.cpp's log: printed when verbose, else kept (last lines) for error messages."""
+
+    verbose = False
+    recent: deque[str] = deque(maxlen=20)
+
+
+@ll.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", errors="replace")
+    if _Log.verbose:
+        print(message, end="", flush=True, file=__import__("sys").stderr)
+    elif level in (2, 3) and message.strip():  # warnings and errors explain load failures
+        _Log.recent.append(message.strip())
+
+
+ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+_backend_ready = False
+
+
+def _init_backend(verbose: bool) -> None:
+    global _backend_ready
+    _Log.verbose = verbose
+    if not _backend_ready:
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+def backend_info() -> dict:
+    """What this llama.cpp build can do: GPU offload, the CPU features it was built for, its version."""
+    _init_backend(_Log.verbose)
+    return {
+        "gpu_offload": bool(ll.llama_supports_gpu_offload()),
+        "mmap": bool(ll.llama_supports_mmap()),
+        "max_devices": int(ll.llama_max_devices()),
+        "system_info": ll.llama_print_system_info().decode("utf-8", errors="replace").strip(),
+        "build": f"llama-cpp-python {ll.__version__}",
+    }
+
+
+# --- the runtime -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    """How to load a model and size its context. Defaults suit a CPU-only laptop."""
+
+    n_ctx: int = 4096          # 0 = the model's training context
+    n_batch: int = 512         # tokens per llama_decode call; longer inputs are split
+    n_threads: int | None = None        # None = physical cores
+    n_threads_batch: int | None = None  # None = same as n_threads
+    n_gpu_layers: int = 0      # -1 = all layers
+    flash_attn: bool | None = None      # None = llama.cpp decides (on where a quantized V cache needs it)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    offload_kqv: bool = True   # keep the KV cache on the GPU when layers are offloaded
+    use_mmap: bool = True
+    extra_buffers: bool = True  # llama.cpp's repacked CPU weight layouts (faster matmuls); see README on AMX
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        for kind, name in (("type_k", self.type_k), ("type_v", self.type_v)):
+            if name not in KV_TYPES:
+                raise EdgespecError(f"unknown KV cache type {kind}={name!r}; use one of {', '.join(KV_TYPES)}")
+        if self.type_v not in ("f32", "f16", "bf16") and self.flash_attn is False:
+            raise EdgespecError(f"a quantized V cache (type_v={self.type_v}) needs flash attention; "
+                                "drop --no-flash-attn or use type_v=f16")
+        if self.n_ctx < 0 or self.n_batch < 1:
+            raise EdgespecError("n_ctx must be >= 0 and n_batch >= 1")
+
+
+def _physical_cores() -> int:
+    try:
+        import psutil
+
+        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    except ImportError:  # psutil is a dependency; this only guards odd platforms
+        return max(1, os.cpu_count() or 1)
+
+
+def check_gguf_file(path: Path) -> None:
+    """Say clearly what is wrong with a model file before llama.cpp sees it."""
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}; give a path to a .gguf file or a catalog name "
+                             "(see `edgespec models list`)")
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory; give the path of a .gguf file inside it")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path} is not a GGUF file (it does not start with the GGUF magic); "
+                             "convert it with `edgespec export` or download a .gguf")
+
+
+class LlamaCppRuntime:
+    """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions()):
+        self.path = Path(path)
+        self.options = options
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        check_gguf_file(self.path)
+        _init_backend(options.verbose)
+        _Log.recent.clear()
+
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
+        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP if options.use_mmap else ll.LLAMA_LOAD_MODE_NONE
+        mparams.use_extra_bufts = options.extra_buffers
+        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
+            raise ModelFileError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "
+                                 f"unsupported architecture{detail}; download it again or re-export it")
+        self._vocab_ptr = ll.llama_model_get_vocab(self._model)
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
+
+        n_threads = options.n_threads or _physical_cores()
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = options.n_ctx or self.n_ctx_train
+        cparams.n_batch = options.n_batch
+        cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
+        cparams.n_seq_max = 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = options.n_threads_batch or n_threads
+        cparams.type_k = KV_TYPES[options.type_k][0]
+        cparams.type_v = KV_TYPES[options.type_v][0]
+        cparams.offload_kqv = options.offload_kqv
+        cparams.no_perf = True
+        quantized_v = options.type_v not in ("f32", "f16", "bf16")
+        if options.flash_attn is None:
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized_v else ll.LLAMA_FLASH_ATTN_TYPE_AUTO
+        else:
+            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
+                                       else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self.close()
+            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
+            raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {self.path}"
+                                f"{detail}; try a smaller --ctx or f16 KV types")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.n_ctx = int(ll.llama_n_ctx(self._ctx))
+        self.n_batch = int(ll.llama_n_batch(self._ctx))
+        self.n_threads = n_threads
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
+        self.vocab = self._read_vocab()
+
+        # One batch reused for every decode; its seq ids are constant (sequence 0).
+        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self._batch_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
+        self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+        self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            self._batch.seq_id[i][0] = 0
+
+        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # ids whose KV is held
+        self._n_past = 0
+        self._max_logit_rows = 0
+        self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    def _read_vocab(self) -> VocabInfo:
+        v = self._vocab_ptr
+        bos, eos = int(ll.llama_vocab_bos(v)), int(ll.llama_vocab_eos(v))
+        eog = frozenset(t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(v, t))
+        return VocabInfo(
+            n_vocab=self.n_vocab,
+            vocab_type=_VOCAB_TYPES.get(int(ll.llama_vocab_type(v)), "unknown"),
+            bos=bos if bos >= 0 else None,
+            eos=eos if eos >= 0 else None,
+            add_bos=bool(ll.llama_vocab_get_add_bos(v)),
+            eog=eog,
+        )
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (ll.llama_token * capacity)()
+        n = ll.llama_tokenize(self._vocab_ptr, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(self._vocab_ptr, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self._vocab_ptr, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab_ptr, token, buf, -n, 0, False)
+        return buf.raw[:n]
+
+    def token_text(self, token: int) -> str:
+        return (ll.llama_vocab_get_text(self._vocab_ptr, token) or b"").decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        raw = ll.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8") if raw else None
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1024)
+        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, 1024)
+        if n < 0:
+            return None
+        if n >= 1024:
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
+        return buf.value.decode("utf-8", errors="replace")
+
+    # -- KV sequence ----------------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._tokens[: self._n_past].copy()
+
+    def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
+        """Append tokens to the sequence; return logits of the last `n_logits` (a fresh array)."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        n = len(ids)
+        if n == 0 or not 0 <= n_logits <= n:
+            raise ValueError(f"decode needs at least one token and 0 <= n_logits <= {n}")
+        if self._n_past + n > self.n_ctx:
+            raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
+                                       f"{n} more asked); use a larger --ctx or a shorter prompt")
+        out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
+        first_logit = n - n_logits
+        for start in range(0, n, self.n_batch):
+            chunk = ids[start:start + self.n_batch]
+            m = len(chunk)
+            self._batch.n_tokens = m
+            self._batch_token[:m] = chunk
+            self._batch_pos[:m] = np.arange(self._n_past, self._n_past + m, dtype=np.int32)
+            wanted = np.arange(start, start + m) >= first_logit
+            self._batch_logits[:m] = wanted
+            rc = ll.llama_decode(self._ctx, self._batch)
+            self.n_decode_calls += 1
+            if rc != 0:
+                self.truncate(self._n_past)  # drop whatever part of the chunk got in
+                raise EdgespecError(f"llama_decode failed with code {rc} at position {self._n_past} "
+                                    "(out of KV cache space or compute memory); use a smaller --ctx or batch")
+            self._tokens[self._n_past:self._n_past + m] = chunk
+            self._n_past += m
+            for i in np.flatnonzero(wanted):
+                row = ll.llama_get_logits_ith(self._ctx, int(i))
+                out[start + i - first_logit] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
+        self._max_logit_rows = max(self._max_logit_rows, n_logits)
+        return out
+
+    def truncate(self, n: int) -> None:
+        """Roll the KV back to its first n positions (the rollback speculation needs)."""
+        if not 0 <= n <= self._n_past:
+            raise ValueError(f"cannot truncate to {n}: {self._n_past} positions held")
+        if n == self._n_past:
+            return
+        if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
+            raise EdgespecError(f"{self.path.name}: llama.cpp cannot remove part of this model's memory "
+                                "(recurrent or hybrid architecture); speculative decoding needs rollback, "
+                                "use --mode ar")
+        self._n_past = n
+
+    # -- memory and lifetime --------------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of K and V per token over all layers, from the model's geometry and the cache types."""
+        arch = self.metadata("general.architecture") or "llama"
+        n_layer = int(ll.llama_model_n_layer(self._model))
+        n_head = int(ll.llama_model_n_head(self._model))
+        n_head_kv = int(ll.llama_model_n_head_kv(self._model))
+        n_embd = int(ll.llama_model_n_embd(self._model))
+        head_k = int(self.metadata(f"{arch}.attention.key_length") or n_embd // n_head)
+        head_v = int(self.metadata(f"{arch}.attention.value_length") or n_embd // n_head)
+        per_k = KV_TYPES[self.options.type_k][1]
+        per_v = KV_TYPES[self.options.type_v][1]
+        return n_layer * n_head_kv * (head_k * per_k + head_v * per_v)
+
+    def memory(self) -> MemoryReport:
+        return MemoryReport(
+            weights=int(ll.llama_model_size(self._model)),
+            kv_cache=int(self.kv_bytes_per_token() * self.n_ctx),
+            logits=self._max_logit_rows * self.n_vocab * 4,
+            other={"batch": self.n_batch * 4 * 4},
+        )
+
+    def close(self) -> None:
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: ctypes may already be gone
+            pass
+
+    def __enter__(self) -> "LlamaCppRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, n_threads: int | None = None) -> Path:
+    """Re-quantize a GGUF in-process with llama.cpp (q8_0, q4_k_m, ...). Writes atomically."""
+    src, dst = Path(src), Path(dst)
+    if quant not in QUANT_TYPES:
+        raise EdgespecError(f"unknown quantization {quant!r}; use one of {', '.join(QUANT_TYPES)}")
+    check_gguf_file(src)
+    _init_backend(_Log.verbose)
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = QUANT_TYPES[quant]
+    params.nthread = n_threads or _physical_cores()
+    params.allow_requantize = True  # sources are often already quantized (SmolLM2 ships Q4_1)
+    tmp = dst.with_name(f".{dst.name}.partial")
+    try:
+        rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise EdgespecError(f"llama.cpp failed to quantize {src} to {quant} (code {rc})")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
