@@ -1,0 +1,105 @@
+"""Drafters propose the tokens the target then verifies in one pass.
+
+A drafter sees the committed context (prompt and emitted tokens; its last token is the one the
+target has not evaluated yet) and returns up to k tokens, with the distributions it drew them from
+when sampling, or None when it is deterministic (prompt lookup: one-hot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from edgespec.runtimes.base import Runtime, sync_to
+from edgespec.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: np.ndarray               # int32, shape (m,), m <= k
+    probs: np.ndarray | None = None  # (m, n_vocab) draft distributions, None = deterministic
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
+
+
+class Drafter(Protocol):
+    name: str
+
+    def prepare(self, context: np.ndarray) -> None:
+        """Prefill whatever the drafter needs for this context (counted in time to first token)."""
+
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler) -> Draft: ...
+
+
+class DraftModelDrafter:
+    """A small model with the target's vocabulary drafts k tokens autoregressively.
+
+    Its KV holds the committed context except the last token, like the target's. After a
+    verification the engine hands it the new context; `sync_to` keeps the accepted prefix, and the
+    tokens it has not seen (the correction, or the last draft plus the bonus token when all passed)
+    go into its next decode together. Memory: the draft's weights and KV plus k logits rows.
+    """
+
+    name = "draft"
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def prepare(self, context: np.ndarray) -> None:
+        kept = sync_to(self.runtime, context[:-1])
+        if kept < len(context) - 1:
+            self.runtime.decode(context[kept:-1], 0)
+
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler) -> Draft:
+        kept = sync_to(self.runtime, context)
+        if kept == len(context):  # everything seen: re-evaluate the last token to get its row
+            self.runtime.truncate(kept - 1)
+            kept -= 1
+        pending = context[kept:]
+        tokens = np.zeros(k, dtype=np.int32)
+        probs = None if sampler.params.greedy else np.empty((k, self.runtime.vocab.n_vocab))
+        for i in range(k):
+            logits = self.runtime.decode(pending, 1)
+            row = sampler.rows(logits, context, tokens[:i])[0]
+            tokens[i] = sampler.pick(row)
+            if probs is not None:
+                probs[i] = row
+            pending = tokens[i:i + 1]
+        return Draft(tokens, probs)
+
+
+class PromptLookupDrafter:
+    """Drafts by copying: find the latest earlier occurrence of the context's last n tokens and
+    propose what followed it (Saxena 2023; llama.cpp's lookup). Costs a vectorised scan, no model.
+
+    Tries n from `ngram_max` down to `ngram_min`; the draft never runs past the end of the context.
+    """
+
+    name = "lookup"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def prepare(self, context: np.ndarray) -> None:
+        pass
+
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler) -> Draft:
+        n_ctx = len(context)
+        for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
+            suffix = context[n_ctx - n:]
+            # Windows starting at 0 .. n_ctx-n-1: each has at least one token after it.
+            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return Draft(context[start:start + k].astype(np.int32))
+        return EMPTY_DRAFT

@@ -1,0 +1,342 @@
+"""The engine: prompts in, tokens and text out, through one speculative decoding loop.
+
+Each round reads like the papers' pseudocode:
+
+    drafter, k = policy.choose(...)             # k = 0 is plain decoding
+    draft      = drafter.propose(context, k)    # x_1..x_k (and q_1..q_k when sampling)
+    rows       = target.decode([last] + draft)  # p_1..p_{k+1} in one pass
+    n, token   = verify(draft, q, p)            # accept a prefix, then correct or add a bonus token
+    target.truncate(...); commit(draft[:n] + [token])
+
+Invariant between rounds: the target's KV holds every committed token but the last one, which is
+fed together with the next draft. The draft model keeps the same invariant (see drafters.py).
+"""
+
+from __future__ import annotations
+
+import codecs
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from edgespec.chat import Message, render_chat
+from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, PromptLookupDrafter
+from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.policy import DEFAULT_DRAFT_MAX, FixedPolicy, Policy, resolve_mode
+from edgespec.runtimes.base import Runtime, sync_to
+from edgespec.sampling import Sampler, SamplingParams
+from edgespec.stats import GenerationStats
+from edgespec.verify import Verifier, accept_greedy, accept_sampling
+from edgespec.vocab import check_vocab_compatible
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how. Sampling defaults are llama.cpp's; temperature 0 is greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None        # None = a fresh seed, reported in the stats
+    stop: tuple[str, ...] = ()
+    mode: str = "auto"             # auto | ar | draft | lookup
+    draft_max: int | None = None   # tokens drafted per round; None = the mode's default
+    raw: bool = False              # True: the prompt is used as is, no chat template
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise EdgespecError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_max is not None and self.draft_max < 0:
+            raise EdgespecError(f"--draft-max must be >= 0, got {self.draft_max}")
+        if any(not s for s in self.stop):
+            raise EdgespecError("stop strings must not be empty")
+        self.sampling  # validates the sampling fields
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p, repeat_penalty=self.repeat_penalty)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str   # "stop" (end-of-generation token or stop string) | "length"
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+
+
+@dataclass
+class SpeculativeState:
+    """Everything one generation carries between rounds, in one place."""
+
+    context: np.ndarray          # prompt then emitted tokens; capacity n_prompt + max_tokens
+    n: int                       # tokens committed (context[:n])
+    n_prompt: int
+    max_tokens: int
+    sampler: Sampler
+    stats: GenerationStats
+    finish_reason: str | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def committed(self) -> np.ndarray:
+        return self.context[: self.n]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - (self.n - self.n_prompt)
+
+
+@dataclass(frozen=True)
+class Verification:
+    draft: Draft
+    n_accepted: int
+    token: int          # the target's correction, or the bonus token when the whole draft passed
+
+
+class Engine:
+    """A target model, optionally a draft model, and the speculative loop that runs them.
+
+    Not thread-safe: one generation at a time per engine (runtimes hold one KV sequence).
+    """
+
+    def __init__(self, target: Runtime, draft: Runtime | None = None):
+        if draft is not None:
+            check_vocab_compatible(target, draft)
+        self.target = target
+        self.draft_runtime = draft
+        self.drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
+        if draft is not None:
+            self.drafters["draft"] = DraftModelDrafter(draft)
+
+    @classmethod
+    def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
+             n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
+             flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
+             offload_kqv: bool = True, verbose: bool = False) -> "Engine":
+        """Load models by catalog name or path (the default: the embedded smallest catalog model)."""
+        from edgespec.models import catalog, store
+        from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
+
+        options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                                  flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+                                  offload_kqv=offload_kqv, verbose=verbose)
+        target_rt = LlamaCppRuntime(store.resolve(target or catalog.DEFAULT_MODEL), options)
+        try:
+            draft_rt = LlamaCppRuntime(store.resolve(draft), options) if draft else None
+        except BaseException:
+            target_rt.close()
+            raise
+        return cls(target_rt, draft_rt)
+
+    def close(self) -> None:
+        self.target.close()
+        if self.draft_runtime is not None:
+            self.draft_runtime.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    def prompt_tokens(self, prompt: str | Sequence[Message], *, raw: bool = False) -> list[int]:
+        """Token ids for a prompt: a string (chat-templated unless raw) or a list of chat messages."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise EdgespecError("the prompt is empty; give some text to continue or answer")
+            if raw:
+                return self.target.tokenize(prompt, add_special=True, parse_special=False)
+            prompt = [{"role": "user", "content": prompt}]
+        text = render_chat(self.target.chat_template(), prompt, bos_token=self._piece(self.target.vocab.bos),
+                           eos_token=self._piece(self.target.vocab.eos))
+        bos_text = self._piece(self.target.vocab.bos)
+        add_bos = not (bos_text and text.startswith(bos_text))  # templates often write BOS themselves
+        return self.target.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def _piece(self, token: int | None) -> str:
+        return "" if token is None else self.target.token_text(token)
+
+    # -- the speculative loop -----------------------------------------------------------------
+
+    def policy_for(self, config: GenerationConfig) -> tuple[str, Policy]:
+        mode = resolve_mode(config.mode, "draft" in self.drafters)
+        if mode == "ar":
+            return mode, FixedPolicy(None, 0)
+        k = DEFAULT_DRAFT_MAX[mode] if config.draft_max is None else config.draft_max
+        return mode, FixedPolicy(self.drafters[mode], k)
+
+    def start(self, prompt_ids: Sequence[int], config: GenerationConfig, policy: Policy,
+              mode: str) -> SpeculativeState:
+        """Check the budget, then prefill target and drafters (all of it counts as time to first token)."""
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise EdgespecError("the prompt has no tokens; give some text")
+        if n_prompt + config.max_tokens > self.target.n_ctx:
+            raise ContextOverflowError(
+                f"prompt ({n_prompt} tokens) plus --max-tokens ({config.max_tokens}) exceeds the context of "
+                f"{self.target.n_ctx} tokens; use a shorter prompt, fewer --max-tokens or a larger --ctx")
+        seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
+        context = np.zeros(n_prompt + config.max_tokens, dtype=np.int32)
+        context[:n_prompt] = prompt_ids
+        state = SpeculativeState(context, n_prompt, n_prompt, config.max_tokens,
+                                 Sampler(config.sampling, seed),
+                                 GenerationStats(mode=mode, prompt_tokens=n_prompt, seed=seed))
+        prompt = state.committed
+        kept = sync_to(self.target, prompt[:-1])  # reuse the KV of a shared prefix
+        if kept < n_prompt - 1:
+            self.target.decode(prompt[kept:-1], 0)
+        for drafter in policy.drafters:
+            drafter.prepare(prompt)
+        state.stats.prefill_s = time.perf_counter() - state.t_start
+        return state
+
+    def draft_step(self, state: SpeculativeState, drafter: Drafter | None, k: int) -> Draft:
+        if drafter is None or k == 0:
+            return EMPTY_DRAFT
+        t = time.perf_counter()
+        draft = drafter.propose(state.committed, k, state.sampler)
+        state.stats.draft_s += time.perf_counter() - t
+        return draft
+
+    def verify_step(self, state: SpeculativeState, draft: Draft, verifier: Verifier | None = None) -> Verification:
+        """One target pass over the last committed token and the draft; accept a prefix."""
+        t = time.perf_counter()
+        fed = np.concatenate([state.committed[-1:], draft.tokens])
+        logits = self.target.decode(fed, len(fed))
+        rows = state.sampler.rows(logits, state.committed, draft.tokens)
+        verify = verifier or (accept_greedy if state.sampler.params.greedy else accept_sampling)
+        n_accepted, token = verify(draft.tokens, draft.probs, rows, state.sampler.rng)
+        self.target.truncate(state.n + n_accepted)  # keep the last token and the accepted drafts
+        state.stats.verify_s += time.perf_counter() - t
+        return Verification(draft, n_accepted, token)
+
+    def accept_step(self, state: SpeculativeState, verification: Verification, drafter_name: str) -> np.ndarray:
+        """Commit the accepted tokens, applying end-of-generation and length stops. Returns what was added."""
+        v = verification
+        state.stats.record_round(drafter_name, len(v.draft), v.n_accepted)
+        new = np.append(v.draft.tokens[: v.n_accepted], np.int32(v.token)).astype(np.int32)
+        eog = self.target.vocab.eog
+        for i, token in enumerate(new.tolist()):
+            if token in eog:
+                new, state.finish_reason = new[:i], "stop"
+                break
+        if len(new) >= state.remaining:
+            new = new[: state.remaining]
+            state.finish_reason = state.finish_reason or "length"
+        state.context[state.n:state.n + len(new)] = new
+        state.n += len(new)
+        state.stats.generated += len(new)
+        if state.stats.ttft_s == 0.0 and len(new):
+            state.stats.ttft_s = time.perf_counter() - state.t_start
+        return new
+
+    def begin(self, prompt_ids: Sequence[int], config: GenerationConfig) -> tuple[SpeculativeState, Policy]:
+        mode, policy = self.policy_for(config)
+        return self.start(prompt_ids, config, policy, mode), policy
+
+    def rounds(self, state: SpeculativeState, policy: Policy, verifier: Verifier | None = None) -> Iterator[np.ndarray]:
+        """The loop: yields the tokens each round adds until a stop.
+
+        `verifier` replaces the acceptance rule (tests use it to prove the statistical test has power).
+        """
+        t_decode = time.perf_counter()
+        try:
+            while state.finish_reason is None:
+                drafter, k = policy.choose(state.remaining)
+                draft = self.draft_step(state, drafter, k)
+                verification = self.verify_step(state, draft, verifier)
+                new = self.accept_step(state, verification, drafter.name if drafter and len(draft) else "none")
+                if len(new):
+                    yield new
+        finally:
+            state.stats.decode_s = time.perf_counter() - t_decode
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def stream(self, prompt: str | Sequence[Message], config: GenerationConfig = GenerationConfig(),
+               **overrides) -> "GenerationStream":
+        """Text pieces as they are produced; `.result` holds the whole result once iteration ends."""
+        config = replace(config, **overrides) if overrides else config
+        return GenerationStream(self, self.prompt_tokens(prompt, raw=config.raw), config)
+
+    def generate(self, prompt: str | Sequence[Message], config: GenerationConfig = GenerationConfig(),
+                 **overrides) -> GenerationResult:
+        stream = self.stream(prompt, config, **overrides)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def generate_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig(), *,
+                        verifier: Verifier | None = None) -> GenerationResult:
+        """Token ids in, result out: no template, no stop strings. For tests and tools."""
+        stream = GenerationStream(self, list(prompt_ids), config, verifier=verifier)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+class GenerationStream:
+    """Iterates text pieces: UTF-8 safe (a character split over tokens waits for its last byte),
+    and holding back text that could be the start of a stop string."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig,
+                 verifier: Verifier | None = None):
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.config = config
+        self.verifier = verifier
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        engine, config = self.engine, self.config
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        holdback = max((len(s) for s in config.stop), default=1) - 1
+        text, sent = "", 0
+        state, policy = engine.begin(self.prompt_ids, config)
+        loop = engine.rounds(state, policy, self.verifier)
+        tokens: list[int] = []
+        finish = None
+        try:
+            for new in loop:
+                tokens.extend(new.tolist())
+                text += decoder.decode(b"".join(engine.target.token_bytes(t) for t in new.tolist()))
+                cut = _find_stop(text, config.stop, max(0, sent - holdback))
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                ready = len(text) - holdback
+                if ready > sent:
+                    yield text[sent:ready]
+                    sent = ready
+            else:
+                text += decoder.decode(b"", final=True)
+                cut = _find_stop(text, config.stop, max(0, sent - holdback))
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+        finally:
+            loop.close()
+        if len(text) > sent:
+            yield text[sent:]
+        self.result = GenerationResult(text=text, tokens=tokens, prompt_tokens=state.n_prompt,
+                                       finish_reason=finish or state.finish_reason or "stop", stats=state.stats)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None

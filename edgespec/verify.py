@@ -1,0 +1,56 @@
+"""Verification: which drafted tokens the target accepts, and the token it emits after them.
+
+Both rules keep the target's output: greedy emits exactly the target's argmax sequence, and
+rejection sampling (Leviathan et al. 2023; Chen et al. 2023) emits tokens distributed exactly as
+the target's own sampling would. Each takes the k drafted tokens and the target's k+1 processed rows
+(row i predicts the token after draft[:i]) and returns (n_accepted, next_token).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from edgespec.sampling import sample
+
+
+class Verifier(Protocol):
+    def __call__(self, draft: np.ndarray, draft_probs: np.ndarray | None, target_rows: np.ndarray,
+                 rng: np.random.Generator) -> tuple[int, int]: ...
+
+
+def accept_greedy(draft: np.ndarray, draft_probs: np.ndarray | None, target_rows: np.ndarray,
+                  rng: np.random.Generator | None = None) -> tuple[int, int]:
+    """Accept while the draft equals the target's argmax; then emit the target's own token."""
+    target_tokens = np.argmax(target_rows, axis=1)
+    mismatch = np.flatnonzero(draft != target_tokens[: len(draft)])
+    n = int(mismatch[0]) if mismatch.size else len(draft)
+    return n, int(target_tokens[n])
+
+
+def accept_sampling(draft: np.ndarray, draft_probs: np.ndarray | None, target_rows: np.ndarray,
+                    rng: np.random.Generator) -> tuple[int, int]:
+    """Rejection sampling: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)).
+
+    On the first rejection, draw from the residual max(0, p_i - q_i) normalised; when every draft
+    token passes, draw the bonus token from p_k. `draft_probs` None means a deterministic drafter
+    (prompt lookup): q_i is one-hot at x_i, so acceptance is p_i(x_i) and the residual is p_i without x_i.
+    """
+    k = len(draft)
+    idx = np.arange(k)
+    p = target_rows[idx, draft]
+    q = np.ones(k) if draft_probs is None else draft_probs[idx, draft]
+    u = rng.random(k)
+    rejected = np.flatnonzero(u * q >= p)  # u < p/q, written without dividing by q
+    if not rejected.size:
+        return k, sample(target_rows[k], rng)
+    i = int(rejected[0])
+    residual = target_rows[i].copy()
+    if draft_probs is None:
+        residual[draft[i]] = 0.0
+    else:
+        residual = np.maximum(residual - draft_probs[i], 0.0)
+    if residual.sum() <= 0:  # p <= q everywhere can only happen through rounding: fall back to p
+        residual = target_rows[i]
+    return i, sample(residual, rng)
