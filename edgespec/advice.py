@@ -1,0 +1,300 @@
+"""What to install on this machine and which catalog models fit it, from a `HardwareReport`.
+
+`doctor_document(report)` is the whole of `edgespec doctor --json`: the report's `to_dict()` plus
+`advice`, a list of {"topic", "message", "command", "settings"}. Commands are exact and copyable;
+where edgespec has not checked one on such hardware, the message says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from edgespec.hardware import (HardwareReport, default_gpu_layers, device_memory_bytes, memory_kind,
+                               parse_llama_system_info)
+
+LLAMA_CPP_VERSION = "0.3.36"
+_PIP_LLAMA = f"pip install --force-reinstall --no-cache-dir llama-cpp-python=={LLAMA_CPP_VERSION}"
+
+# Rough room a loaded model needs beyond its file: KV cache at a 4k context, compute buffers.
+# The memory planner has the real numbers once a model is open; this only ranks catalog entries.
+_OVERHEAD_FACTOR = 1.2
+_OVERHEAD_BYTES = 512 * 1024**2
+GIB = 1024**3
+
+
+@dataclass
+class Advice:
+    topic: str  # "llama_cpp", "onnxruntime", "coreml", "nvml", "models"
+    message: str
+    command: str | None = None
+    settings: dict[str, Any] | None = None
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB"
+
+
+def cuda_build_command(arch: str | None, cudacxx: str | None = None) -> str:
+    args = "-DGGML_CUDA=on" + (f" -DCMAKE_CUDA_ARCHITECTURES={arch}" if arch else "")
+    prefix = f"CUDACXX={cudacxx} " if cudacxx else ""
+    return f'{prefix}CMAKE_ARGS="{args}" {_PIP_LLAMA}'
+
+
+def metal_build_command() -> str:
+    return f'CMAKE_ARGS="-DGGML_METAL=on" {_PIP_LLAMA}'
+
+
+def cpu_build_command() -> str:
+    return f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}"
+
+
+def _llama_advice(r: HardwareReport) -> list[Advice]:
+    llama = r.llama_cpp
+    out: list[Advice] = []
+    offload = llama.gpu_offload is True
+    if llama.status == "unknown":
+        out.append(Advice("llama_cpp", f"could not ask the installed llama.cpp build what it supports: {llama.reason}"))
+
+    nvidia = [g for g in r.gpus.devices]
+    if r.jetson is not None:
+        j = r.jetson
+        if not offload:
+            jp = j.jetpack or "?"
+            out.append(Advice(
+                "llama_cpp",
+                f"{j.model or 'Jetson ' + (j.soc or '?')} (JetPack {jp}, L4T {j.l4t_release or '?'}): build llama.cpp with "
+                f"CUDA for sm_{j.cuda_arch or '?'} from source on the board (takes long; needs JetPack's CUDA in "
+                "/usr/local/cuda). JetPack 5 or 6 is expected; JetPack 4's CUDA 10.2 is probably too old. "
+                "Not checked by edgespec on a Jetson.",
+                cuda_build_command(j.cuda_arch, "/usr/local/cuda/bin/nvcc")))
+    elif nvidia:
+        g = nvidia[0]
+        if not offload:
+            toolkit = r.gpus.cuda_toolkit
+            need = ("" if toolkit else " It needs the CUDA toolkit (nvcc), which was not found: install it first.")
+            out.append(Advice(
+                "llama_cpp",
+                f"{g.name or 'an NVIDIA GPU'} (compute capability {g.compute_capability or '?'}) is here but the "
+                f"installed llama.cpp build cannot offload to it: rebuild it with CUDA"
+                f"{f' (CUDA toolkit {toolkit})' if toolkit else ''}.{need} Not checked by edgespec on a GPU.",
+                cuda_build_command(g.sm)))
+    elif r.apple is not None:
+        if not offload:
+            out.append(Advice(
+                "llama_cpp",
+                f"{r.apple.chip or 'Apple Silicon'}: rebuild llama.cpp with Metal (llama-cpp-python usually "
+                "enables it on Apple Silicon by itself; this build does not offload). Not checked by edgespec on a Mac.",
+                metal_build_command()))
+    if llama.status == "not installed":
+        if not out:
+            out.append(Advice("llama_cpp", "llama-cpp-python is not installed: install the CPU build.",
+                              cpu_build_command()))
+        return out
+    if offload and (nvidia or r.apple is not None or r.jetson is not None):
+        out.append(Advice("llama_cpp", f"llama.cpp build offloads to the GPU (backends: {', '.join(llama.backends)}); "
+                          "edgespec offloads all layers unless told otherwise.",
+                          settings={"n_gpu_layers": -1}))
+    elif not (nvidia or r.apple is not None or r.jetson is not None) and llama.status == "ok":
+        built = parse_llama_system_info(llama.system_info or "").get("CPU", {})
+        missing = [f for f, flag in (("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"))
+                   if f in r.cpu.simd and built.get(flag) != "1"]
+        if missing and built:
+            out.append(Advice("llama_cpp", f"this CPU has {missing[0]} but the llama.cpp build does not use it: "
+                              "rebuild it for this CPU.", f'CMAKE_ARGS="-DGGML_NATIVE=on" {_PIP_LLAMA}'))
+        else:
+            used = [k for k, v in built.items() if v == "1" and k.startswith(("AVX", "AMX", "SVE", "SME", "NEON",
+                                                                                "DOTPROD", "MATMUL_INT8"))]
+            out.append(Advice("llama_cpp", "the CPU build of llama.cpp is the right one here (no GPU found); "
+                              f"it is built with {', '.join(used) or 'no SIMD features it reports'}."))
+    return out
+
+
+def _onnx_advice(r: HardwareReport) -> list[Advice]:
+    ort = r.onnxruntime
+    providers = set(ort.providers)
+    if r.jetson is not None:
+        if "CUDAExecutionProvider" not in providers:
+            return [Advice("onnxruntime", f"onnxruntime-gpu for Jetson is not on PyPI for aarch64: install the wheel "
+                           f"NVIDIA builds for JetPack {r.jetson.jetpack or '?'} (Jetson Zoo / Jetson AI Lab pip "
+                           "index) in place of onnxruntime. Not checked by edgespec on a Jetson.")]
+        return []
+    if r.gpus.devices:
+        if "CUDAExecutionProvider" not in providers:
+            cmd = ("pip uninstall -y onnxruntime && " if ort.package == "onnxruntime" else "") + "pip install onnxruntime-gpu"
+            cuda = r.gpus.devices[0].cuda_driver_version
+            return [Advice("onnxruntime", "for the ONNX runtime on this NVIDIA GPU use onnxruntime-gpu; it must not be "
+                           "installed beside onnxruntime, and its wheel's CUDA major version must be one the driver "
+                           f"supports (driver CUDA {cuda or '?'}). Not checked by edgespec on a GPU.", cmd)]
+        return []
+    if r.apple is not None:
+        if ort.status == "not installed":
+            return [Advice("onnxruntime", "for the ONNX runtime: the macOS onnxruntime wheel includes the Core ML "
+                           "execution provider.", "pip install onnxruntime")]
+        if ort.status == "ok" and "CoreMLExecutionProvider" not in providers:
+            return [Advice("onnxruntime", "this onnxruntime has no CoreMLExecutionProvider; reinstall the PyPI wheel.",
+                           "pip install --force-reinstall onnxruntime")]
+        return []
+    if ort.status == "not installed":
+        return [Advice("onnxruntime", "optional, for the ONNX runtime: the CPU wheel.", "pip install onnxruntime")]
+    return []
+
+
+def _other_advice(r: HardwareReport) -> list[Advice]:
+    out = []
+    if r.gpus.status == "unavailable" and r.gpus.devices:
+        out.append(Advice("nvml", "the NVIDIA driver is loaded but NVML could not be asked; install nvidia-ml-py "
+                          "so edgespec can read GPU memory and compute capability.", "pip install nvidia-ml-py"))
+    if r.apple is not None and r.coreml.coremltools is None and not r.coreml.can_run:
+        if "not installed" in r.coreml.reason:
+            out.append(Advice("coreml", "for the Core ML runtime install coremltools.", "pip install coremltools==9.0"))
+    return out
+
+
+def _catalog() -> list[Any] | None:
+    try:
+        from edgespec.models import catalog
+
+        return list(catalog.entries())
+    except Exception:  # the catalog is optional for advice; doctor must still answer
+        return None
+
+
+def model_need_bytes(*size_bytes: int) -> int:
+    """Rough memory to run these model files together (weights, plus KV cache and buffers for each)."""
+    return int(sum(size_bytes) * _OVERHEAD_FACTOR) + _OVERHEAD_BYTES * len(size_bytes)
+
+
+def _model_budget(r: HardwareReport) -> tuple[int | None, str]:
+    kind = memory_kind(r)
+    if kind == "discrete":
+        return device_memory_bytes(r), f"GPU memory of {r.gpus.devices[0].name}"
+    if kind == "unified" and r.apple is not None:
+        total = device_memory_bytes(r)
+        # macOS lets Metal wire about 2/3 to 3/4 of RAM by default (recommendedMaxWorkingSetSize, not read here).
+        return (int(total * 2 / 3) if total else None), "2/3 of unified memory (Metal's default working-set cap, assumed)"
+    available = r.memory.available_bytes or r.memory.usable_bytes
+    if r.memory.limit_bytes and available:
+        available = min(available, r.memory.limit_bytes)
+    return available, "available RAM" + (" shared with the GPU" if kind == "unified" else "")
+
+
+def _models_advice(r: HardwareReport) -> list[Advice]:
+    entries = _catalog()
+    if entries is None:
+        return [Advice("models", "the model catalog is not importable here; no model advice.")]
+    budget, what = _model_budget(r)
+    if budget is None:
+        return [Advice("models", "memory size is unavailable, so no model advice.")]
+    by_name = {e.name: e for e in entries}
+    pairs = [(e, by_name[e.draft]) for e in entries if e.draft and e.draft in by_name]
+    pairs.sort(key=lambda p: p[0].size_bytes + p[1].size_bytes, reverse=True)
+    singles = sorted(entries, key=lambda e: e.size_bytes, reverse=True)
+    gpu_layers = default_gpu_layers(r)
+    threads = r.cpu.physical_cores or r.cpu.usable_cores or 1
+    if r.cpu.usable_cores:
+        threads = min(threads, r.cpu.usable_cores)
+    on_gpu = gpu_layers != 0
+    why_mode = ("on a GPU, verifying k tokens costs about one step, where draft-model speculation usually pays "
+                "(edgespec has not measured this hardware)" if on_gpu else
+                "on a CPU, draft-model speculation often loses (0.7-0.86x plain decoding with this pair on a "
+                "2-core build machine) while prompt lookup helps on edit-like prompts; `auto` measures and chooses")
+    for target, draft in pairs:
+        need = model_need_bytes(target.size_bytes, draft.size_bytes)
+        if need <= budget:
+            return [Advice(
+                "models", f"{target.name} with draft {draft.name} fits ({_gib(need)} needed of {_gib(budget)} "
+                f"{what}); {why_mode}.",
+                f'edgespec generate "..." --target {target.name} --draft {draft.name} --mode auto',
+                {"target": target.name, "draft": draft.name, "mode": "auto", "n_gpu_layers": gpu_layers,
+                 "n_threads": threads, "need_bytes": need, "budget_bytes": budget})]
+    for entry in singles:
+        need = model_need_bytes(entry.size_bytes)
+        if need <= budget:
+            return [Advice(
+                "models", f"no catalog pair fits {_gib(budget)} {what}; {entry.name} alone does "
+                f"({_gib(need)}): use prompt lookup drafting.",
+                f'edgespec generate "..." --target {entry.name} --mode lookup',
+                {"target": entry.name, "draft": None, "mode": "lookup", "n_gpu_layers": gpu_layers,
+                 "n_threads": threads, "need_bytes": need, "budget_bytes": budget})]
+    return [Advice("models", f"no catalog model fits {_gib(budget)} {what}.")]
+
+
+def advise(report: HardwareReport) -> list[Advice]:
+    return _llama_advice(report) + _onnx_advice(report) + _other_advice(report) + _models_advice(report)
+
+
+def doctor_document(report: HardwareReport) -> dict[str, Any]:
+    """`edgespec doctor --json`: the hardware report plus advice, one JSON-ready object."""
+    doc = report.to_dict()
+    doc["advice"] = [dataclasses.asdict(a) for a in advise(report)]
+    return doc
+
+
+def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
+    """Human output of `edgespec doctor`: a table of findings, each with its source, then the advice."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    table = Table(title="edgespec doctor", show_lines=False)
+    table.add_column("item")
+    table.add_column("value")
+    table.add_column("source", style="dim")
+
+    def row(item: str, value: Any, source: str | None) -> None:
+        table.add_row(Text(item), Text("-" if value is None else str(value)), Text(source or ""))
+
+    cpu, mem = doc["cpu"], doc["memory"]
+    row("platform", f"{doc['platform']['system']} {doc['platform']['machine']}", doc["platform"]["source"])
+    row("cpu", cpu["name"] or cpu["unavailable"].get("name"), cpu["sources"].get("name"))
+    row("cores (logical / physical / usable)",
+        f"{cpu['logical_cores']} / {cpu['physical_cores']} / {cpu['usable_cores']}",
+        cpu["sources"].get("physical_cores") or cpu["sources"].get("logical_cores"))
+    row("SIMD", f"{cpu['simd_level']}: {' '.join(cpu['simd']) or '-'}",
+        cpu["sources"].get("simd") or cpu["unavailable"].get("simd"))
+    row("RAM total / available", f"{_gib(mem['total_bytes'])} / {_gib(mem['available_bytes'])}",
+        mem["sources"].get("total_bytes") or mem["unavailable"].get("total_bytes"))
+    if mem["limit_bytes"]:
+        row("memory limit", _gib(mem["limit_bytes"]), mem["sources"].get("limit_bytes"))
+    gpus = doc["gpus"]
+    if gpus["devices"]:
+        for g in gpus["devices"]:
+            row(f"GPU {g['index']}", f"{g['name']}, {_gib(g['memory_total_bytes'])}, cc {g['compute_capability']}, "
+                f"driver {g['driver_version']} (CUDA {g['cuda_driver_version']})", g["source"])
+    else:
+        row("NVIDIA GPUs", gpus["status"] + (f": {gpus['reason']}" if gpus["reason"] else ""), gpus["source"])
+    if gpus["cuda_toolkit"]:
+        row("CUDA toolkit", gpus["cuda_toolkit"], gpus["cuda_toolkit_source"])
+    apple = doc["apple"]
+    if apple:
+        row("Apple chip", apple["chip"], apple["sources"].get("chip"))
+        row("unified memory", _gib(apple["unified_memory_bytes"]), apple["sources"].get("unified_memory_bytes"))
+        row("GPU cores / Metal", f"{apple['gpu_cores']} / {apple['metal']}",
+            apple["sources"].get("metal") or apple["unavailable"].get("metal"))
+    jetson = doc["jetson"]
+    if jetson:
+        row("Jetson", jetson["model"], jetson["sources"].get("model"))
+        row("L4T / JetPack", f"{jetson['l4t_release']} / {jetson['jetpack']}",
+            jetson["sources"].get("jetpack") or jetson["unavailable"].get("jetpack"))
+        row("CUDA arch", jetson["cuda_arch"], jetson["sources"].get("cuda_arch"))
+        row("unified memory", _gib(jetson["unified_memory_bytes"]), jetson["sources"].get("unified_memory_bytes"))
+    llama = doc["llama_cpp"]
+    row("llama.cpp", f"{llama['version'] or 'not installed'}; GPU offload: "
+        f"{ {True: 'yes', False: 'no', None: 'unknown'}[llama['gpu_offload']] }; backends: "
+        f"{', '.join(llama['backends']) or '-'}" + (f" ({llama['reason']})" if llama["reason"] else ""),
+        llama["source"])
+    ort = doc["onnxruntime"]
+    row("onnxruntime", " ".join(x for x in (ort["package"] or "not installed", ort["version"]) if x) + "; "
+        f"providers: {', '.join(ort['providers']) or '-'}", ort["source"])
+    row("Core ML", ("can run" if doc["coreml"]["can_run"] else "cannot run") + f": {doc['coreml']['reason']}",
+        doc["coreml"]["source"])
+    row("device key", doc["device_key"], "edgespec.hardware.device_key")
+    row("memory kind / GPU layers", f"{doc['memory_kind']} / {doc['gpu_layers']}", "edgespec.hardware")
+    console.print(table)
+    for a in doc["advice"]:
+        console.print(Text.assemble((a["topic"], "bold"), ": ", a["message"]))
+        if a["command"]:
+            console.print(Text("    " + a["command"]), soft_wrap=True)
