@@ -291,9 +291,36 @@ class Engine:
         return stream.result
 
 
+class TextAssembler:
+    """Token bytes in, text pieces out: UTF-8 safe (a character split over tokens waits for its last
+    byte) and holding back text that could still become a stop string."""
+
+    def __init__(self, stops: tuple[str, ...] = ()):
+        self.stops = stops
+        self._overlap = max((len(s) for s in stops), default=1) - 1  # a stop may begin this far back
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self._sent = 0
+        self.stopped = False
+
+    def feed(self, data: bytes, final: bool = False) -> str:
+        """Add bytes; return the text that is now safe to show ('' if none)."""
+        self.text += self._decoder.decode(data, final=final)
+        hits = [i for i in (self.text.find(s, max(0, self._sent - self._overlap)) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped, final = self.text[: min(hits)], True, True
+        ready = len(self.text) if final else len(self.text) - self._undecided()
+        piece = self.text[self._sent:ready] if ready > self._sent else ""
+        self._sent = max(self._sent, ready)
+        return piece
+
+    def _undecided(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        return max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+
+
 class GenerationStream:
-    """Iterates text pieces: UTF-8 safe (a character split over tokens waits for its last byte),
-    and holding back text that could be the start of a stop string."""
+    """Iterates the text pieces of one generation; `.result` holds the whole result afterwards."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig,
                  verifier: Verifier | None = None):
@@ -304,39 +331,23 @@ class GenerationStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        engine, config = self.engine, self.config
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        holdback = max((len(s) for s in config.stop), default=1) - 1
-        text, sent = "", 0
-        state, policy = engine.begin(self.prompt_ids, config)
+        engine = self.engine
+        text = TextAssembler(self.config.stop)
+        state, policy = engine.begin(self.prompt_ids, self.config)
         loop = engine.rounds(state, policy, self.verifier)
-        tokens: list[int] = []
-        finish = None
         try:
             for new in loop:
-                tokens.extend(new.tolist())
-                text += decoder.decode(b"".join(engine.target.token_bytes(t) for t in new.tolist()))
-                cut = _find_stop(text, config.stop, max(0, sent - holdback))
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
+                piece = text.feed(b"".join(engine.target.token_bytes(t) for t in new.tolist()))
+                if piece:
+                    yield piece
+                if text.stopped:
                     break
-                ready = len(text) - holdback
-                if ready > sent:
-                    yield text[sent:ready]
-                    sent = ready
-            else:
-                text += decoder.decode(b"", final=True)
-                cut = _find_stop(text, config.stop, max(0, sent - holdback))
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
         finally:
             loop.close()
-        if len(text) > sent:
-            yield text[sent:]
-        self.result = GenerationResult(text=text, tokens=tokens, prompt_tokens=state.n_prompt,
-                                       finish_reason=finish or state.finish_reason or "stop", stats=state.stats)
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+        if not text.stopped:
+            piece = text.feed(b"", final=True)
+            if piece:
+                yield piece
+        finish = "stop" if text.stopped else state.finish_reason or "stop"
+        self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
+                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats)
