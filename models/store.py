@@ -90,6 +90,17 @@ def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Pa
     return pull(entry, progress=True)
 
 
+def model_identity(path: str | os.PathLike) -> dict:
+    """What names a model file for caches and saved state, without hashing it (a 1 GB hash costs
+    seconds): a pulled catalog model by its verified sha256, any other file by size, mtime and inode."""
+    path = Path(path)
+    st = path.stat()
+    for entry in catalog.entries():
+        if path == cached_path(entry) and st.st_size == entry.size_bytes:
+            return {"name": entry.name, "sha256": entry.sha256}
+    return {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
 def cached() -> list[tuple[CatalogEntry, Path, int]]:
     """The catalog models present in the cache: (entry, path, bytes on disk)."""
     found = []

@@ -330,6 +330,33 @@ class LlamaCppRuntime:
                                 "use --mode ar")
         self._n_past = n
 
+    # -- saved state ----------------------------------------------------------------------------
+
+    def compatibility_key(self) -> dict:
+        """What must match for saved KV to be valid here: model, llama.cpp build, context, KV types."""
+        from edgespec.models.store import model_identity
+
+        return {"model": model_identity(self.path), "runtime": f"llama-cpp-python {ll.__version__}",
+                "n_ctx": self.n_ctx, "type_k": self.options.type_k, "type_v": self.options.type_v}
+
+    def save_state(self) -> bytes:
+        """The KV of the held sequence as llama.cpp serialises it (format tied to the build)."""
+        size = ll.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = ll.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        return bytes(buf[:written])
+
+    def load_state(self, blob: bytes, tokens: Sequence[int]) -> None:
+        """Restore KV saved by `save_state` for exactly these tokens."""
+        self.truncate(0)
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if ll.llama_state_seq_set_data(self._ctx, buf, len(blob), 0) == 0:
+            raise EdgespecError("llama.cpp refused the saved KV state (different model or build); "
+                                "start a new session")
+        n = len(tokens)
+        self._tokens[:n] = np.asarray(tokens, dtype=np.int32)
+        self._n_past = n
+
     # -- memory and lifetime --------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> float:
