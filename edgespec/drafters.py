@@ -34,7 +34,9 @@ class Drafter(Protocol):
     def prepare(self, context: np.ndarray) -> None:
         """Prefill whatever the drafter needs for this context (counted in time to first token)."""
 
-    def propose(self, context: np.ndarray, k: int, sampler: Sampler) -> Draft: ...
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None) -> Draft:
+        """Up to k tokens continuing `context`. `gate(n, confidence, product) -> bool` may end a
+        draft early (drafters that know their confidence honour it)."""
 
 
 class DraftModelDrafter:
@@ -56,7 +58,7 @@ class DraftModelDrafter:
         if kept < len(context) - 1:
             self.runtime.decode(context[kept:-1], 0)
 
-    def propose(self, context: np.ndarray, k: int, sampler: Sampler) -> Draft:
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None) -> Draft:
         kept = sync_to(self.runtime, context)
         if kept == len(context):  # everything seen: re-evaluate the last token to get its row
             self.runtime.truncate(kept - 1)
@@ -64,6 +66,7 @@ class DraftModelDrafter:
         pending = context[kept:]
         tokens = np.zeros(k, dtype=np.int32)
         probs = None if sampler.params.greedy else np.empty((k, self.runtime.vocab.n_vocab))
+        product = 1.0
         for i in range(k):
             logits = self.runtime.decode(pending, 1)
             row = sampler.rows(logits, context, tokens[:i])[0]
@@ -71,6 +74,11 @@ class DraftModelDrafter:
             if probs is not None:
                 probs[i] = row
             pending = tokens[i:i + 1]
+            if gate is not None and i + 1 < k:
+                confidence = float(row[tokens[i]]) if probs is not None else _top_probability(row)
+                product *= confidence
+                if not gate(i + 1, confidence, product):
+                    return Draft(tokens[:i + 1], None if probs is None else probs[:i + 1])
         return Draft(tokens, probs)
 
 
@@ -92,7 +100,7 @@ class PromptLookupDrafter:
     def prepare(self, context: np.ndarray) -> None:
         pass
 
-    def propose(self, context: np.ndarray, k: int, sampler: Sampler) -> Draft:
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None) -> Draft:
         n_ctx = len(context)
         for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
             suffix = context[n_ctx - n:]
@@ -103,3 +111,9 @@ class PromptLookupDrafter:
                 start = int(hits[-1]) + n
                 return Draft(context[start:start + k].astype(np.int32))
         return EMPTY_DRAFT
+
+
+def _top_probability(logits: np.ndarray) -> float:
+    """Softmax probability of the argmax: the draft's confidence in a greedy token."""
+    top = logits.max()
+    return float(1.0 / np.exp(logits - top).sum())

@@ -2,11 +2,11 @@
 
 Each round reads like the papers' pseudocode:
 
-    drafter, k = policy.choose(...)             # k = 0 is plain decoding
+    choice     = policy.choose(state)           # a drafter and k; k = 0 is plain decoding
     draft      = drafter.propose(context, k)    # x_1..x_k (and q_1..q_k when sampling)
     rows       = target.decode([last] + draft)  # p_1..p_{k+1} in one pass
     n, token   = verify(draft, q, p)            # accept a prefix, then correct or add a bonus token
-    target.truncate(...); commit(draft[:n] + [token])
+    target.truncate(...); commit(draft[:n] + [token]); policy.observe(...)
 
 Invariant between rounds: the target's KV holds every committed token but the last one, which is
 fed together with the next draft. The draft model keeps the same invariant (see drafters.py).
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import codecs
 import random
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -26,12 +28,37 @@ import numpy as np
 from edgespec.chat import Message, render_chat
 from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, PromptLookupDrafter
 from edgespec.errors import ContextOverflowError, EdgespecError
-from edgespec.policy import DEFAULT_DRAFT_MAX, FixedPolicy, Policy, resolve_mode
+from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
 from edgespec.runtimes.base import Runtime, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
 from edgespec.verify import Verifier, accept_greedy, accept_sampling
 from edgespec.vocab import check_vocab_compatible
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability (log-softmax of its raw logits) of an emitted token, and the top alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
+    """Row i of `logits` is the target's prediction of tokens[i]."""
+    rows = logits[: len(tokens)].astype(np.float64)
+    peak = rows.max(axis=1, keepdims=True)
+    logp = rows - (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)))
+    out = []
+    for row, token in zip(logp, tokens):
+        top = np.argpartition(-row, n_top - 1)[:n_top] if n_top else np.zeros(0, dtype=np.int64)
+        top = top[np.argsort(-row[top], kind="stable")]
+        out.append(TokenLogprob(int(token), float(row[token]), tuple((int(t), float(row[t])) for t in top)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -49,6 +76,8 @@ class GenerationConfig:
     mode: str = "auto"             # auto | ar | draft | lookup
     draft_max: int | None = None   # tokens drafted per round; None = the mode's default
     raw: bool = False              # True: the prompt is used as is, no chat template
+    logprobs: int | None = None    # record the target's log-probability of each emitted token and of
+                                   # this many top alternatives (0 = the token's own only); None = off
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -57,6 +86,8 @@ class GenerationConfig:
             raise EdgespecError(f"--draft-max must be >= 0, got {self.draft_max}")
         if any(not s for s in self.stop):
             raise EdgespecError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise EdgespecError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
         self.sampling  # validates the sampling fields
 
     @property
@@ -72,10 +103,15 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str   # "stop" (end-of-generation token or stop string) | "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token when config.logprobs is set
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        out = {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+               "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                               for lp in self.logprobs]
+        return out
 
 
 @dataclass
@@ -90,6 +126,8 @@ class SpeculativeState:
     stats: GenerationStats
     finish_reason: str | None = None
     t_start: float = field(default_factory=time.perf_counter)
+    top_logprobs: int | None = None                        # config.logprobs
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def committed(self) -> np.ndarray:
@@ -105,22 +143,39 @@ class Verification:
     draft: Draft
     n_accepted: int
     token: int          # the target's correction, or the bonus token when the whole draft passed
+    logits: np.ndarray | None = None  # the target's raw rows, one per position fed
 
 
 class Engine:
     """A target model, optionally a draft model, and the speculative loop that runs them.
 
-    Not thread-safe: one generation at a time per engine (runtimes hold one KV sequence).
+    Not thread-safe (`thread_safe` is False): runtimes hold one KV sequence, so one generation at a
+    time. It guards itself: a generation from another thread waits for the running one to end, and a
+    second generation started in the same thread before the first ends is refused. Apps that serve
+    several callers queue them through `edgespec.aio.AsyncEngine`.
     """
+
+    thread_safe = False
 
     def __init__(self, target: Runtime, draft: Runtime | None = None):
         if draft is not None:
             check_vocab_compatible(target, draft)
         self.target = target
         self.draft_runtime = draft
+        self._lock = threading.Lock()
+        self._owner: int | None = None
         self.drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
         if draft is not None:
             self.drafters["draft"] = DraftModelDrafter(draft)
+        self._profile = None
+
+    def cost_profile(self, refresh: bool = False):
+        """The measured costs `--mode auto` weighs (cached on disk per model, build, device, threads)."""
+        if self._profile is None or refresh:
+            from edgespec.profile import load_or_measure
+
+            self._profile, _ = load_or_measure(self.target, self.draft_runtime, refresh=refresh)
+        return self._profile
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
@@ -141,6 +196,19 @@ class Engine:
             target_rt.close()
             raise
         return cls(target_rt, draft_rt)
+
+    @contextmanager
+    def exclusive(self) -> Iterator["Engine"]:
+        """Hold the engine's runtimes for one generation (or a save/restore of their KV)."""
+        if self._owner == threading.get_ident():
+            raise EdgespecError("this engine is already generating in this thread; finish or close that "
+                                "stream before starting another")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield self
+            finally:
+                self._owner = None
 
     def close(self) -> None:
         self.target.close()
@@ -176,9 +244,12 @@ class Engine:
 
     def policy_for(self, config: GenerationConfig) -> tuple[str, Policy]:
         mode = resolve_mode(config.mode, "draft" in self.drafters)
+        k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
+        if mode == "auto":
+            return mode, AdaptivePolicy(self.cost_profile(), self.drafters["lookup"], self.drafters.get("draft"),
+                                        k_max=k)
         if mode == "ar":
             return mode, FixedPolicy(None, 0)
-        k = DEFAULT_DRAFT_MAX[mode] if config.draft_max is None else config.draft_max
         return mode, FixedPolicy(self.drafters[mode], k)
 
     def start(self, prompt_ids: Sequence[int], config: GenerationConfig, policy: Policy,
@@ -201,16 +272,20 @@ class Engine:
         kept = sync_to(self.target, prompt[:-1])  # reuse the KV of a shared prefix
         if kept < n_prompt - 1:
             self.target.decode(prompt[kept:-1], 0)
+        state.stats.cached_tokens, state.stats.prefilled_tokens = kept, n_prompt - 1 - kept
+        state.top_logprobs = config.logprobs
         for drafter in policy.drafters:
             drafter.prepare(prompt)
         state.stats.prefill_s = time.perf_counter() - state.t_start
         return state
 
-    def draft_step(self, state: SpeculativeState, drafter: Drafter | None, k: int) -> Draft:
-        if drafter is None or k == 0:
+    def draft_step(self, state: SpeculativeState, choice: Choice) -> Draft:
+        if choice.drafter is None or choice.k == 0:
             return EMPTY_DRAFT
+        if choice.draft is not None:  # the policy already holds the proposal
+            return choice.draft
         t = time.perf_counter()
-        draft = drafter.propose(state.committed, k, state.sampler)
+        draft = choice.drafter.propose(state.committed, choice.k, state.sampler, choice.gate)
         state.stats.draft_s += time.perf_counter() - t
         return draft
 
@@ -224,7 +299,7 @@ class Engine:
         n_accepted, token = verify(draft.tokens, draft.probs, rows, state.sampler.rng)
         self.target.truncate(state.n + n_accepted)  # keep the last token and the accepted drafts
         state.stats.verify_s += time.perf_counter() - t
-        return Verification(draft, n_accepted, token)
+        return Verification(draft, n_accepted, token, logits)
 
     def accept_step(self, state: SpeculativeState, verification: Verification, drafter_name: str) -> np.ndarray:
         """Commit the accepted tokens, applying end-of-generation and length stops. Returns what was added."""
@@ -239,6 +314,8 @@ class Engine:
         if len(new) >= state.remaining:
             new = new[: state.remaining]
             state.finish_reason = state.finish_reason or "length"
+        if state.top_logprobs is not None and v.logits is not None:
+            state.logprobs.extend(token_logprobs(v.logits, new.tolist(), state.top_logprobs))
         state.context[state.n:state.n + len(new)] = new
         state.n += len(new)
         state.stats.generated += len(new)
@@ -258,10 +335,15 @@ class Engine:
         t_decode = time.perf_counter()
         try:
             while state.finish_reason is None:
-                drafter, k = policy.choose(state.remaining)
-                draft = self.draft_step(state, drafter, k)
+                t = time.perf_counter()
+                choice = policy.choose(state)
+                state.stats.draft_s += time.perf_counter() - t  # choosing includes asking lookup
+                draft = self.draft_step(state, choice)
                 verification = self.verify_step(state, draft, verifier)
-                new = self.accept_step(state, verification, drafter.name if drafter and len(draft) else "none")
+                name = choice.drafter.name if choice.drafter is not None and len(draft) else "none"
+                new = self.accept_step(state, verification, name)
+                policy.observe(choice, len(draft), verification.n_accepted,
+                               np.append(draft.tokens[: verification.n_accepted], verification.token))
                 if len(new):
                     yield new
         finally:
@@ -331,6 +413,10 @@ class GenerationStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
+        with self.engine.exclusive():
+            yield from self._pieces()
+
+    def _pieces(self) -> Iterator[str]:
         engine = self.engine
         text = TextAssembler(self.config.stop)
         state, policy = engine.begin(self.prompt_ids, self.config)
@@ -350,4 +436,5 @@ class GenerationStream:
                 yield piece
         finish = "stop" if text.stopped else state.finish_reason or "stop"
         self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats)
+                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
+                                       logprobs=state.logprobs if self.config.logprobs is not None else None)

@@ -81,7 +81,8 @@ def reference(smollm2_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,k", [("draft", 1), ("draft", 3), ("draft", 6), ("lookup", 2), ("lookup", 5)])
+@pytest.mark.parametrize("mode,k", [("draft", 1), ("draft", 3), ("draft", 6), ("lookup", 2), ("lookup", 5),
+                                    ("auto", None)])
 def test_smollm2_greedy_speculation_is_lossless(smol_engine, plain_outputs, reference, mode, k):
     assert len(PROMPTS) >= 20
     cfg = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0, mode=mode, draft_max=k)

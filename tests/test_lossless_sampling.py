@@ -17,6 +17,7 @@ from scipy import stats
 
 from conftest import load_runtime
 from edgespec.engine import Engine, GenerationConfig
+from edgespec.profile import CostProfile
 from edgespec.sampling import SamplingParams, token_distribution
 from edgespec.verify import accept_sampling
 
@@ -117,10 +118,14 @@ def engine_with(models, draft_kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_kind,mode", [("good_draft", "ar"), ("good_draft", "draft"),
                                              ("medium_draft", "draft"), ("bad_draft", "draft"),
-                                             ("good_draft", "lookup")])
+                                             ("good_draft", "lookup"), ("medium_draft", "auto")])
 def test_speculative_sampling_matches_the_target(models, joint, draft_kind, mode):
     with engine_with(models, draft_kind) as engine:
+        if mode == "auto":  # a GPU-like profile (flat verify cost), so auto really drafts
+            engine._profile = CostProfile({n: 0.01 for n in (1, 2, 3, 4, 6, 8)}, 0.001, 0.0012, 0.00005)
         samples, last_stats = sample_many(engine, mode)
+        if mode == "auto":
+            assert last_stats.drafted > 0
     assert set(samples) <= set(joint), "sampled an outcome the target gives probability 0"
     p = chi_square_pvalue(samples, joint)
     print(f"\n{mode} with {draft_kind}: chi-square p = {p:.4f} over {N_SAMPLES} samples")

@@ -1,0 +1,176 @@
+"""What speculation costs on this machine: measured once, cached, and read by the adaptive policy.
+
+The profile holds the target's time to evaluate a batch of n tokens (n = 1 .. K+1: one verify pass
+of k drafted tokens), the draft model's time per drafted token, and prompt lookup's time per
+proposal. It is keyed by model identity, runtime build, device and thread count; a key that
+changes (another model file, a GPU build, more threads) means it is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.runtimes.base import Runtime
+
+PROFILE_VERSION = 1
+BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # verify pass sizes measured; others interpolate
+CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
+
+
+@dataclass
+class CostProfile:
+    """Seconds per operation. `verify_s[n]` is one target pass over n tokens."""
+
+    verify_s: dict[int, float]
+    draft_s: float | None = None        # one draft-model decode step (per drafted token)
+    draft_catchup_s: float | None = None  # a two-token draft decode (after a fully accepted draft)
+    lookup_s: float = 0.0               # one prompt-lookup proposal
+    key: dict = field(default_factory=dict)
+    measured_in_s: float = 0.0
+
+    def verify(self, n: int) -> float:
+        """Target pass over n tokens, linearly interpolated (and extrapolated) from the measured sizes."""
+        sizes = sorted(self.verify_s)
+        if n in self.verify_s:
+            return self.verify_s[n]
+        if n > sizes[-1]:
+            a, b = sizes[-2], sizes[-1]
+            slope = (self.verify_s[b] - self.verify_s[a]) / (b - a)
+            return self.verify_s[b] + slope * (n - b)
+        return float(np.interp(n, sizes, [self.verify_s[s] for s in sizes]))
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.verify_s)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["verify_s"] = {str(k): v for k, v in self.verify_s.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostProfile":
+        d = dict(d)
+        d["verify_s"] = {int(k): float(v) for k, v in d["verify_s"].items()}
+        return cls(**d)
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of a few runs: other load on the machine only ever adds time."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(min(times))
+
+
+def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch: int = 9,
+                    repeats: int = 3, budget_s: float = 2.5) -> CostProfile:
+    """Time the operations the policy weighs. Leaves both runtimes' KV empty.
+
+    Sizes are timed smallest first and with fewer repeats once the budget runs short, so the
+    catalog models profile in well under 3 s here.
+    """
+    t_start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    n_vocab = target.vocab.n_vocab
+    context = rng.integers(100, min(n_vocab, 30000), size=CONTEXT_TOKENS).astype(np.int32)
+    target.truncate(0)
+    target.decode(context, 0)
+
+    def time_target(n: int, reps: int) -> float:
+        batch = rng.integers(100, min(n_vocab, 30000), size=n).astype(np.int32)
+
+        def step():
+            target.decode(batch, n)
+            target.truncate(CONTEXT_TOKENS)
+        step()  # warm the kernels and buffers for this size
+        return _best_time(step, reps)
+
+    verify_s: dict[int, float] = {}
+    for n in [s for s in BATCH_SIZES if s <= max_batch] or [1]:
+        spent = time.perf_counter() - t_start
+        if spent > budget_s and len(verify_s) >= 3:
+            break
+        verify_s[n] = time_target(n, repeats if spent < budget_s / 2 else 1)
+
+    draft_s = catchup_s = None
+    if draft is not None:
+        draft.truncate(0)
+        draft.decode(context, 0)
+
+        def draft_step(n: int):
+            def step():
+                draft.decode(context[:n], 1)
+                draft.truncate(CONTEXT_TOKENS)
+            step()
+            return step
+        draft_s = _best_time(draft_step(1), repeats)
+        catchup_s = _best_time(draft_step(2), repeats)
+        draft.truncate(0)
+    target.truncate(0)
+
+    from edgespec.drafters import PromptLookupDrafter
+    from edgespec.sampling import Sampler, SamplingParams
+
+    history = rng.integers(100, 1000, size=2048).astype(np.int32)
+    lookup, sampler = PromptLookupDrafter(), Sampler(SamplingParams(temperature=0), 0)
+    lookup_s = _best_time(lambda: lookup.propose(history, 8, sampler), 5)
+    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, measured_in_s=time.perf_counter() - t_start)
+
+
+# --- cache -----------------------------------------------------------------------------------
+
+def profile_key(target: Runtime, draft: Runtime | None, device: str) -> dict:
+    """Everything a measured cost depends on."""
+    def runtime_key(rt: Runtime) -> dict:
+        key = rt.compatibility_key() if hasattr(rt, "compatibility_key") else {"name": rt.name}
+        return {**key, "threads": getattr(rt, "n_threads", None), "n_batch": getattr(rt, "n_batch", None)}
+    return {"version": PROFILE_VERSION, "device": device, "target": runtime_key(target),
+            "draft": runtime_key(draft) if draft is not None else None}
+
+
+def profile_dir() -> Path:
+    home = os.environ.get("EDGESPEC_HOME")
+    if home:
+        return Path(home).expanduser() / "profiles"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("edgespec")) / "profiles"
+
+
+def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | None = None,
+                    refresh: bool = False) -> tuple[CostProfile, bool]:
+    """The cached profile for this configuration, or a fresh measurement (then cached).
+
+    Returns (profile, measured_now).
+    """
+    if device is None:
+        from edgespec.hardware import detect, device_key
+
+        device = device_key(detect(llama_cpp=True, onnxruntime=False, nvml=False))
+    key = profile_key(target, draft, device)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = profile_dir() / f"{digest}.json"
+    if not refresh and path.is_file():
+        try:
+            cached = CostProfile.from_dict(json.loads(path.read_text()))
+            if cached.key == key:
+                return cached, False
+        except (ValueError, KeyError, TypeError):
+            pass  # an unreadable cache entry is measured again
+    profile = measure_profile(target, draft)
+    profile.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    os.replace(tmp, path)
+    return profile, True

@@ -1,0 +1,150 @@
+"""The adaptive policy's choices on synthetic cost curves, and auto mode through the real engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import load_runtime
+from edgespec.drafters import DraftModelDrafter, PromptLookupDrafter
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.policy import AdaptivePolicy
+from edgespec.profile import CostProfile
+from edgespec.sampling import Sampler, SamplingParams
+from lossless import compare_greedy
+
+MS = 1e-3
+
+
+def linear_profile(per_token=10 * MS, draft=6 * MS):
+    """CPU-like: verifying k+1 tokens costs about k+1 single steps; the draft costs 0.6 of a step."""
+    return CostProfile({n: per_token * n for n in (1, 2, 3, 4, 6, 8, 10)}, draft, 2 * draft, 0.05 * MS)
+
+
+def flat_profile(step=10 * MS, draft=1 * MS):
+    """GPU-like: a verify pass costs the same for 1 to 10 tokens; the draft is cheap."""
+    return CostProfile({n: step for n in (1, 2, 3, 4, 6, 8, 10)}, draft, 1.2 * draft, 0.05 * MS)
+
+
+class _Named:
+    def __init__(self, name):
+        self.name = name
+
+
+def make_state(context, remaining=100):
+    return SimpleNamespace(committed=np.asarray(context, dtype=np.int32), remaining=remaining,
+                           sampler=Sampler(SamplingParams(temperature=0), 0))
+
+
+def with_acceptance(policy, name, rate, rounds=30):
+    for _ in range(rounds):  # feed observations at the given per-token acceptance
+        k = policy.k_max
+        n = int(np.sum(np.cumprod(np.random.default_rng(len(policy.estimates[name].hits)).random(k) < rate)))
+        policy.estimates[name].update(k, n)
+    policy.estimates[name].hits[:] = rate * policy.estimates[name].trials  # exact rate, for a clean test
+    return policy
+
+
+def test_linear_verify_and_a_costly_draft_choose_plain_decoding():
+    policy = with_acceptance(AdaptivePolicy(linear_profile(), None, _Named("draft")), "draft", 0.9)
+    choice = policy.choose(make_state([1, 2, 3]))
+    assert choice.k == 0 and choice.drafter is None
+    assert choice.predicted_speed == pytest.approx(policy.plain_speed())
+
+
+def test_flat_verify_and_high_acceptance_choose_a_long_draft():
+    draft = _Named("draft")
+    policy = with_acceptance(AdaptivePolicy(flat_profile(), None, draft, k_max=8), "draft", 0.9)
+    choice = policy.choose(make_state([1, 2, 3]))
+    assert choice.drafter is draft and choice.k >= 6
+    assert choice.predicted_speed > 3 * policy.plain_speed()
+
+
+def test_lookup_is_bounded_by_the_match():
+    lookup = PromptLookupDrafter()
+    policy = with_acceptance(AdaptivePolicy(flat_profile(), lookup, None, k_max=8), "lookup", 0.95)
+    context = [5, 6, 7, 8, 9, 10, 11, 99, 5, 6, 7]          # "5 6 7" seen before, followed by 8 9 10 11 99
+    choice = policy.choose(make_state(context))
+    assert choice.drafter is lookup and list(choice.draft.tokens) == [8, 9, 10, 11, 99, 5, 6, 7][: choice.k]
+    assert choice.k == 8  # the match runs to the end of the context, capped at k_max
+    assert policy.choose(make_state([1, 2, 3, 4])).k == 0  # nothing to copy: plain decoding
+
+
+def test_never_predicts_below_plain_decoding():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        sizes = (1, 2, 3, 4, 6, 8)
+        base = rng.uniform(1, 30) * MS
+        growth = rng.uniform(0, 1.2)
+        profile = CostProfile({n: base * (1 + growth * (n - 1)) for n in sizes}, rng.uniform(0.1, 1) * base,
+                              rng.uniform(0.2, 2) * base, rng.uniform(0, 0.2) * base)
+        policy = AdaptivePolicy(profile, PromptLookupDrafter(), _Named("draft"), k_max=5)
+        for name in ("lookup", "draft"):
+            policy.estimates[name].hits[:] = rng.uniform(0, 1, 5) * policy.estimates[name].trials
+        context = rng.integers(0, 4, size=40)  # small alphabet: lookup finds matches
+        choice = policy.choose(make_state(context))
+        assert choice.predicted_speed >= policy.plain_speed()
+        if choice.k:
+            assert choice.predicted_speed > policy.plain_speed()
+
+
+def test_gate_thresholds_follow_the_costs():
+    policy = AdaptivePolicy(flat_profile(draft=1 * MS), None, _Named("draft"), k_max=8)
+    gate = policy._gate(target_speed=300.0)  # tokens/s the round aims at
+    assert gate(1, 0.9, 0.9)            # confident and cheap: keep drafting
+    assert not gate(1, 0.2, 0.2)        # a token whose confidence cannot pay for its draft cost
+    assert not gate(4, 0.9, 0.001)      # the chain as a whole is unlikely to survive
+    costly = AdaptivePolicy(linear_profile(), None, _Named("draft"))._gate(target_speed=50.0)
+    assert not costly(1, 0.6, 0.6)      # verify grows with k here: only near-certain tokens pay
+
+
+def test_shadow_scoring_teaches_lookup_without_using_it():
+    lookup = PromptLookupDrafter()
+    policy = AdaptivePolicy(linear_profile(), lookup, None)
+    before = policy.estimates["lookup"].rates[0]
+    context = [4, 5, 6, 7, 4, 5]
+    for _ in range(10):
+        choice = policy.choose(make_state(context))
+        policy.observe(choice, len(choice.draft) if choice.draft else 0, 0, np.array([6, 7]))  # lookup was right
+    assert policy.estimates["lookup"].rates[0] > before
+
+
+# --- auto through the engine ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_like_engine(smollm2_path, smollm2_draft):
+    """Auto mode with a flat (GPU-like) profile injected, so it really speculates with both drafters."""
+    engine = Engine(load_runtime(smollm2_path), load_runtime(smollm2_draft))
+    engine._profile = flat_profile()
+    yield engine
+    engine.close()
+
+
+def test_auto_with_a_gpu_like_profile_speculates_losslessly(gpu_like_engine, smollm2_path):
+    from test_lossless_greedy import PROMPTS
+
+    reference = load_runtime(smollm2_path)
+    chosen: dict[str, int] = {}
+    identical = 0
+    for prompt in PROMPTS[:10]:
+        ids = gpu_like_engine.prompt_tokens(prompt)
+        plain = gpu_like_engine.generate_tokens(ids, GenerationConfig(max_tokens=32, temperature=0, mode="ar"))
+        auto = gpu_like_engine.generate_tokens(ids, GenerationConfig(max_tokens=32, temperature=0, mode="auto"))
+        cmp = compare_greedy(reference, ids, plain.tokens, auto.tokens)
+        assert cmp.near_tie, (prompt, cmp)
+        identical += cmp.identical
+        for key, n in auto.stats.chosen.items():
+            chosen[key.split(":")[0]] = chosen.get(key.split(":")[0], 0) + n
+    assert chosen.get("draft", 0) > 0, chosen          # the draft model was used
+    assert identical >= 9
+    reference.close()
+
+
+def test_auto_on_this_cpu_never_predicts_a_loss(smollm2_path):
+    with Engine(load_runtime(smollm2_path)) as engine:
+        result = engine.generate("Write a limerick.", max_tokens=16, temperature=0, mode="auto")
+        profile = engine.cost_profile()
+    assert result.stats.mode == "auto" and set(profile.verify_s) >= {1, 2, 3}
+    assert all(v > 0 for v in profile.verify_s.values())
