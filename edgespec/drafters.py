@@ -20,6 +20,8 @@ from edgespec.sampling import Sampler
 class Draft:
     tokens: np.ndarray               # int32, shape (m,), m <= k
     probs: np.ndarray | None = None  # (m, n_vocab) draft distributions, None = deterministic
+    parents: np.ndarray | None = None  # a tree: parent node of each token (0 = the last committed
+    #                                    token, i + 1 = tokens[i]); None = a chain
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,7 +60,9 @@ class DraftModelDrafter:
         if kept < len(context) - 1:
             self.runtime.decode(context[kept:-1], 0)
 
-    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None) -> Draft:
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
+        """Draft a chain of up to k tokens; `branch(n_nodes, p_alt, reach)` may add, at a position,
+        the draft's second choice as a sibling leaf, turning the chain into a tree verified in one pass."""
         kept = sync_to(self.runtime, context)
         if kept == len(context):  # everything seen: re-evaluate the last token to get its row
             self.runtime.truncate(kept - 1)
@@ -67,6 +71,7 @@ class DraftModelDrafter:
         tokens = np.zeros(k, dtype=np.int32)
         probs = None if sampler.params.greedy else np.empty((k, self.runtime.vocab.n_vocab))
         product = 1.0
+        siblings: list[tuple[int, int]] = []  # (position, token)
         for i in range(k):
             logits = self.runtime.decode(pending, 1)
             row = sampler.rows(logits, context, tokens[:i])[0]
@@ -74,11 +79,21 @@ class DraftModelDrafter:
             if probs is not None:
                 probs[i] = row
             pending = tokens[i:i + 1]
+            if branch is not None:
+                dist = row if probs is not None else _softmax(row)
+                alt = _second_choice(dist, int(tokens[i]))
+                if branch(i + 1 + len(siblings), float(dist[alt]), product):
+                    siblings.append((i, alt))
             if gate is not None and i + 1 < k:
                 confidence = float(row[tokens[i]]) if probs is not None else _top_probability(row)
                 product *= confidence
                 if not gate(i + 1, confidence, product):
-                    return Draft(tokens[:i + 1], None if probs is None else probs[:i + 1])
+                    tokens, probs = tokens[:i + 1], None if probs is None else probs[:i + 1]
+                    break
+            elif branch is not None:
+                product *= float(dist[tokens[i]])
+        if siblings:
+            return _with_siblings(tokens, siblings)
         return Draft(tokens, probs)
 
 
@@ -117,3 +132,29 @@ def _top_probability(logits: np.ndarray) -> float:
     """Softmax probability of the argmax: the draft's confidence in a greedy token."""
     top = logits.max()
     return float(1.0 / np.exp(logits - top).sum())
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def _second_choice(dist: np.ndarray, first: int) -> int:
+    top2 = np.argpartition(-dist, 1)[:2]
+    return int(top2[0] if top2[0] != first else top2[1])
+
+
+def _with_siblings(chain: np.ndarray, siblings: list[tuple[int, int]]) -> Draft:
+    """A chain plus sibling leaves: each sibling is an alternative to the chain token at its position."""
+    tokens, parents = [], []
+    node_of_position = []  # tree node of chain position i
+    alternatives = dict(siblings)
+    for i, token in enumerate(chain.tolist()):
+        parent = node_of_position[-1] if node_of_position else 0
+        tokens.append(token)
+        parents.append(parent)
+        node_of_position.append(len(tokens))
+        if i in alternatives:  # listed after the chain token, so the chain stays the first child
+            tokens.append(alternatives[i])
+            parents.append(parent)
+    return Draft(np.asarray(tokens, dtype=np.int32), None, np.asarray(parents, dtype=np.int64))

@@ -28,11 +28,12 @@ import numpy as np
 from edgespec.chat import Message, render_chat
 from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, PromptLookupDrafter
 from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
 from edgespec.runtimes.base import Runtime, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
-from edgespec.verify import Verifier, accept_greedy, accept_sampling
+from edgespec.verify import Verifier, accept_greedy, accept_sampling, accept_tree_greedy, accept_tree_sampling
 from edgespec.vocab import check_vocab_compatible
 
 
@@ -59,6 +60,10 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> lis
         top = top[np.argsort(-row[top], kind="stable")]
         out.append(TokenLogprob(int(token), float(row[token]), tuple((int(t), float(row[t])) for t in top)))
     return out
+
+
+TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
+# Trees are experimental and off by default: see LlamaCppRuntime.keep_tree_path for the KV problem.
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,14 @@ class Verification:
     n_accepted: int
     token: int          # the target's correction, or the bonus token when the whole draft passed
     logits: np.ndarray | None = None  # the target's raw rows, one per position fed
+    path: tuple[int, ...] | None = None  # a tree: the accepted nodes (1-based draft indices)
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """The drafted tokens the target took: a prefix of a chain, or a root-to-node path of a tree."""
+        if self.path is None:
+            return self.draft.tokens[: self.n_accepted]
+        return self.draft.tokens[[i - 1 for i in self.path]]
 
 
 class Engine:
@@ -157,11 +170,12 @@ class Engine:
 
     thread_safe = False
 
-    def __init__(self, target: Runtime, draft: Runtime | None = None):
+    def __init__(self, target: Runtime, draft: Runtime | None = None, *, memory_guard: "MemoryGuard | None" = None):
         if draft is not None:
             check_vocab_compatible(target, draft)
         self.target = target
         self.draft_runtime = draft
+        self.memory_guard = memory_guard  # caps k under memory pressure (see edgespec.guard)
         self._lock = threading.Lock()
         self._owner: int | None = None
         self.drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
@@ -181,21 +195,28 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
              flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
-             offload_kqv: bool = True, verbose: bool = False) -> "Engine":
-        """Load models by catalog name or path (the default: the embedded smallest catalog model)."""
+             offload_kqv: bool = True, verbose: bool = False, trees: bool = False,
+             memory_guard: "MemoryGuard | None" = None) -> "Engine":
+        """Load models by catalog name or path (the default: the embedded smallest catalog model).
+
+        `trees=True` lets auto mode verify token trees (experimental; see TREE_BRANCHES)."""
         from edgespec.models import catalog, store
         from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
 
+        if draft is None:
+            draft = store.bundle_draft(target)  # an exported bundle names its own draft
         options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                   flash_attn=flash_attn, type_k=type_k, type_v=type_v,
                                   offload_kqv=offload_kqv, verbose=verbose)
-        target_rt = LlamaCppRuntime(store.resolve(target or catalog.DEFAULT_MODEL), options)
+        # With trees on, the target gets room for their branches (KV cells are shared).
+        target_options = replace(options, n_seq_max=TREE_BRANCHES) if trees and draft else options
+        target_rt = LlamaCppRuntime(store.resolve(target or catalog.DEFAULT_MODEL), target_options)
         try:
             draft_rt = LlamaCppRuntime(store.resolve(draft), options) if draft else None
         except BaseException:
             target_rt.close()
             raise
-        return cls(target_rt, draft_rt)
+        return cls(target_rt, draft_rt, memory_guard=memory_guard)
 
     @contextmanager
     def exclusive(self) -> Iterator["Engine"]:
@@ -246,8 +267,9 @@ class Engine:
         mode = resolve_mode(config.mode, "draft" in self.drafters)
         k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
         if mode == "auto":
+            branches = getattr(getattr(self.target, "options", None), "n_seq_max", 1)
             return mode, AdaptivePolicy(self.cost_profile(), self.drafters["lookup"], self.drafters.get("draft"),
-                                        k_max=k)
+                                        k_max=k, max_branches=branches)
         if mode == "ar":
             return mode, FixedPolicy(None, 0)
         return mode, FixedPolicy(self.drafters[mode], k)
@@ -285,15 +307,23 @@ class Engine:
         if choice.draft is not None:  # the policy already holds the proposal
             return choice.draft
         t = time.perf_counter()
-        draft = choice.drafter.propose(state.committed, choice.k, state.sampler, choice.gate)
+        if choice.branch is not None:
+            draft = choice.drafter.propose(state.committed, choice.k, state.sampler, choice.gate, choice.branch)
+        else:
+            draft = choice.drafter.propose(state.committed, choice.k, state.sampler, choice.gate)
         state.stats.draft_s += time.perf_counter() - t
         return draft
 
     def verify_step(self, state: SpeculativeState, draft: Draft, verifier: Verifier | None = None) -> Verification:
         """One target pass over the last committed token and the draft; accept a prefix."""
+        if draft.parents is not None:
+            return self.verify_tree_step(state, draft)
         t = time.perf_counter()
-        fed = np.concatenate([state.committed[-1:], draft.tokens])
-        logits = self.target.decode(fed, len(fed))
+        # Normally only the last committed token is new to the target; after a tree whose accepted
+        # path left the main chain, the tokens of that branch are too (see keep_tree_path).
+        unseen = state.committed[self.target.n_past:]
+        fed = np.concatenate([unseen, draft.tokens])
+        logits = self.target.decode(fed, len(draft) + 1)
         rows = state.sampler.rows(logits, state.committed, draft.tokens)
         verify = verifier or (accept_greedy if state.sampler.params.greedy else accept_sampling)
         n_accepted, token = verify(draft.tokens, draft.probs, rows, state.sampler.rng)
@@ -301,11 +331,36 @@ class Engine:
         state.stats.verify_s += time.perf_counter() - t
         return Verification(draft, n_accepted, token, logits)
 
+    def verify_tree_step(self, state: SpeculativeState, draft: Draft) -> Verification:
+        """One target pass over a token tree (branches on separate sequences); accept one path."""
+        t = time.perf_counter()
+        # Tokens the target has not seen (the last committed one, plus a branch accepted last round
+        # that stayed off its KV) lead the tree as a chain; the draft hangs off the last of them.
+        unseen = state.committed[self.target.n_past:]
+        lead = len(unseen) - 1
+        nodes = np.concatenate([unseen, draft.tokens])
+        parents = np.concatenate([np.arange(-1, lead), draft.parents + lead])
+        logits = self.target.decode_tree(nodes, parents)[lead:]
+        nodes, parents = nodes[lead:], np.concatenate([[-1], draft.parents])
+        rows = np.empty(logits.shape, dtype=np.float32 if state.sampler.params.greedy else np.float64)
+        for i in range(len(nodes)):  # each node's row follows its own path
+            path, j = [], i
+            while j > 0:
+                path.append(nodes[j])
+                j = int(parents[j])
+            rows[i] = state.sampler.rows(logits[i:i + 1], state.committed, np.asarray(path[::-1], dtype=np.int32))[0]
+        verify = accept_tree_greedy if state.sampler.params.greedy else accept_tree_sampling
+        path, token = verify(nodes, parents, rows, state.sampler.rng)
+        self.target.keep_tree_path(list(range(lead)) + [lead + i for i in path])
+        state.stats.verify_s += time.perf_counter() - t
+        state.stats.tree_rounds += 1
+        return Verification(draft, len(path) - 1, token, logits[path], tuple(path[1:]))
+
     def accept_step(self, state: SpeculativeState, verification: Verification, drafter_name: str) -> np.ndarray:
         """Commit the accepted tokens, applying end-of-generation and length stops. Returns what was added."""
         v = verification
         state.stats.record_round(drafter_name, len(v.draft), v.n_accepted)
-        new = np.append(v.draft.tokens[: v.n_accepted], np.int32(v.token)).astype(np.int32)
+        new = np.append(v.accepted, np.int32(v.token)).astype(np.int32)
         eog = self.target.vocab.eog
         for i, token in enumerate(new.tolist()):
             if token in eog:
@@ -337,17 +392,21 @@ class Engine:
             while state.finish_reason is None:
                 t = time.perf_counter()
                 choice = policy.choose(state)
+                if self.memory_guard is not None:  # under memory pressure: a shorter draft, or none
+                    choice = cap_choice(choice, self.memory_guard.check(state))
                 state.stats.draft_s += time.perf_counter() - t  # choosing includes asking lookup
                 draft = self.draft_step(state, choice)
                 verification = self.verify_step(state, draft, verifier)
                 name = choice.drafter.name if choice.drafter is not None and len(draft) else "none"
                 new = self.accept_step(state, verification, name)
                 policy.observe(choice, len(draft), verification.n_accepted,
-                               np.append(draft.tokens[: verification.n_accepted], verification.token))
+                               np.append(verification.accepted, verification.token))
                 if len(new):
                     yield new
         finally:
             state.stats.decode_s = time.perf_counter() - t_decode
+            if self.memory_guard is not None:
+                self.memory_guard.observe(state)
 
     # -- public API ---------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ DEFAULT_DRAFT_MAX = {"draft": 4, "lookup": 4, "auto": 8}
 
 # gate(n_drafted, confidence of the last token, product of confidences) -> keep drafting?
 Gate = Callable[[int, float, float], bool]
+# branch(tree nodes so far, probability of the draft's second choice, chance to reach here) -> add it?
+Branch = Callable[[int, float, float], bool]
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Choice:
     k: int
     draft: Draft | None = None   # a proposal already in hand (prompt lookup costs nothing to ask)
     gate: Gate | None = None     # confidence gating: stop drafting early
+    branch: Branch | None = None  # token trees: add the draft's second choice as a sibling
     predicted_speed: float = 0.0  # tokens/s the policy expects from this choice
 
 
@@ -108,11 +111,12 @@ class AdaptivePolicy:
     """Speculate only when it pays, by the measured costs and the acceptance seen so far."""
 
     def __init__(self, profile: "CostProfile", lookup: Drafter | None, draft_model: Drafter | None,
-                 k_max: int = DEFAULT_DRAFT_MAX["auto"]):
+                 k_max: int = DEFAULT_DRAFT_MAX["auto"], max_branches: int = 1):
         self.profile = profile
         self.lookup = lookup
         self.draft_model = draft_model
         self.k_max = max(1, min(k_max, profile.max_batch - 1))
+        self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
         self._shadow: Draft | None = None  # lookup's proposal this round, scored even when unused
 
@@ -161,7 +165,8 @@ class AdaptivePolicy:
             speeds = self.draft_speeds(k_cap)
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
-                best = Choice(self.draft_model, k, gate=self._gate(float(speeds[k])),
+                branch = self._branch(float(speeds[k])) if self.max_branches > 1 else None
+                best = Choice(self.draft_model, k, gate=self._gate(float(speeds[k])), branch=branch,
                               predicted_speed=float(speeds[k]))
         return best
 
@@ -181,6 +186,24 @@ class AdaptivePolicy:
             return confidence >= tau_token and product >= target_speed * step
 
         return keep_drafting
+
+    def _branch(self, target_speed: float) -> Branch:
+        """Trees where verification is cheap: a sibling leaf at a position pays when the chance it
+        is the one accepted (reach x the draft's second-choice probability) per second of the larger
+        verify pass beats the speed this round aims at. On a flat (GPU-like) cost curve that is
+        almost always; where each verified token costs a step (this CPU), practically never."""
+        added = [0]
+
+        def add_sibling(n_nodes: int, p_alt: float, reach: float) -> bool:
+            if added[0] + 1 >= self.max_branches or n_nodes + 2 > self.profile.max_batch:
+                return False
+            step = self.profile.verify(n_nodes + 2) - self.profile.verify(n_nodes + 1)
+            if reach * p_alt >= target_speed * step:
+                added[0] += 1
+                return True
+            return False
+
+        return add_sibling
 
     def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None:
         if choice.drafter is not None:

@@ -16,16 +16,23 @@ import numpy as np
 class GenerationStats:
     mode: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0       # prompt tokens whose KV was reused (prefix cache, earlier turns)
+    prefilled_tokens: int = 0    # prompt tokens evaluated at prefill (the last one goes with the first round)
     generated: int = 0
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0              # target verification passes
+    tree_rounds: int = 0         # of which verified a token tree rather than a chain
     prefill_s: float = 0.0
     ttft_s: float = 0.0          # start to first emitted token, prefill included
     decode_s: float = 0.0        # end of prefill to the last token
     draft_s: float = 0.0
     verify_s: float = 0.0
     seed: int | None = None
+    predicted_peak_bytes: int | None = None  # the memory plan's predicted peak (with --budget)
+    peak_rss_bytes: int | None = None        # the process's real peak resident set (VmHWM), measured
+    peak_gpu_bytes: int | None = None        # this process's GPU memory (NVML), where a GPU exists
+    memory_events: list[str] = field(default_factory=list)  # what the memory guard gave up, and why
     drafted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     chosen: dict[str, int] = field(default_factory=dict)  # "drafter:k" -> rounds
@@ -64,6 +71,8 @@ class GenerationStats:
         return {
             "mode": self.mode,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
             "generated": self.generated,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -71,6 +80,7 @@ class GenerationStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "per_position_acceptance": per_position,
             "rounds": self.rounds,
+            "tree_rounds": self.tree_rounds,
             "ttft_s": round(self.ttft_s, 6),
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),
@@ -80,6 +90,10 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "chosen": dict(self.chosen),
             "seed": self.seed,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_gpu_bytes": self.peak_gpu_bytes,
+            "memory_events": list(self.memory_events),
         }
 
     def summary(self) -> str:

@@ -54,3 +54,49 @@ def accept_sampling(draft: np.ndarray, draft_probs: np.ndarray | None, target_ro
     if residual.sum() <= 0:  # p <= q everywhere can only happen through rounding: fall back to p
         residual = target_rows[i]
     return i, sample(residual, rng)
+
+
+# --- token trees -------------------------------------------------------------------------------
+# A tree is node 0 (the last committed token) plus drafted nodes; parents[i] is node i's parent and
+# rows[i] the target's processed row after the path to node i. Both rules walk down from the root
+# and return (path of accepted nodes, root first, next_token).
+
+def _children(parents: np.ndarray) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(len(parents))]
+    for i in range(1, len(parents)):
+        kids[int(parents[i])].append(i)
+    return kids
+
+
+def accept_tree_greedy(nodes: np.ndarray, parents: np.ndarray, rows: np.ndarray,
+                       rng: np.random.Generator | None = None) -> tuple[list[int], int]:
+    """Follow the child that equals the target's argmax, as long as there is one."""
+    kids, path = _children(parents), [0]
+    while True:
+        token = int(np.argmax(rows[path[-1]]))
+        match = [c for c in kids[path[-1]] if nodes[c] == token]
+        if not match:
+            return path, token
+        path.append(match[0])
+
+
+def accept_tree_sampling(nodes: np.ndarray, parents: np.ndarray, rows: np.ndarray,
+                         rng: np.random.Generator) -> tuple[list[int], int]:
+    """Multi-candidate verification with the candidates taken as given (one-hot drafts).
+
+    At a node, try its children in order: accept candidate x with probability p(x) under the
+    target's row renormalised over the tokens not yet tried; on the last refusal, draw from what
+    is left. Whatever the candidates are, the emitted token is distributed exactly as p (it is p
+    drawn as a sequence of yes/no questions), so sampling stays lossless.
+    """
+    kids, path = _children(parents), [0]
+    while True:
+        p = rows[path[-1]].copy()
+        for c in kids[path[-1]]:
+            mass = p.sum()
+            if mass > 0 and rng.random() * mass < p[nodes[c]]:
+                path.append(c)
+                break
+            p[nodes[c]] = 0.0
+        else:
+            return path, sample(p if p.sum() > 0 else rows[path[-1]], rng)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +65,14 @@ class _Log:
 
     verbose = False
     recent: deque[str] = deque(maxlen=20)
+    buffers: list[str] = []  # "... buffer size = X MiB" lines since the last clear (memory accounting)
 
 
 @ll.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     message = text.decode("utf-8", errors="replace")
+    if "buffer size" in message:
+        _Log.buffers.append(message)
     if _Log.verbose:
         print(message, end="", flush=True, file=__import__("sys").stderr)
     elif level in (2, 3) and message.strip():  # warnings and errors explain load failures
@@ -107,6 +111,8 @@ class LlamaCppOptions:
 
     n_ctx: int = 4096          # 0 = the model's training context
     n_batch: int = 512         # tokens per llama_decode call; longer inputs are split
+    n_outputs_max: int = 0     # most logits rows one decode returns (0 = n_batch); the compute buffer holds this many
+    n_seq_max: int = 1         # > 1: room for token-tree branches (one sequence each, one unified KV pool)
     n_threads: int | None = None        # None = physical cores
     n_threads_batch: int | None = None  # None = same as n_threads
     n_gpu_layers: int = 0      # -1 = all layers
@@ -127,6 +133,10 @@ class LlamaCppOptions:
                                 "drop --no-flash-attn or use type_v=f16")
         if self.n_ctx < 0 or self.n_batch < 1:
             raise EdgespecError("n_ctx must be >= 0 and n_batch >= 1")
+        if self.n_outputs_max < 0:
+            raise EdgespecError("n_outputs_max must be >= 0 (0 = n_batch)")
+        if not 1 <= self.n_seq_max <= 64:
+            raise EdgespecError(f"n_seq_max must be between 1 and 64, got {self.n_seq_max}")
 
 
 def _physical_cores() -> int:
@@ -152,6 +162,80 @@ def check_gguf_file(path: Path) -> None:
                              "convert it with `edgespec export` or download a .gguf")
 
 
+_BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s+([\d.]+) MiB")
+
+
+def parse_buffer_sizes(lines: Sequence[str]) -> dict[str, int]:
+    """llama.cpp's "CPU_REPACK model buffer size = 596.53 MiB" lines -> {"CPU_REPACK model": bytes, ...}."""
+    out: dict[str, int] = {}
+    for line in lines:
+        for device, kind, mib in _BUFFER_LINE.findall(line):
+            key = f"{device} {kind}"
+            out[key] = out.get(key, 0) + int(float(mib) * 2**20)
+    return out
+
+
+def dry_run_compute_buffers(path: str | os.PathLike, configs: Sequence[dict]) -> list[dict[str, int]]:
+    """Compute buffers llama.cpp reserves for each context configuration, without loading weights.
+
+    The model is opened with `no_alloc` (tensor metadata only), so this costs the vocabulary load and
+    nothing else. Each config names n_ctx, n_batch, n_outputs_max, type_k, type_v and flash_attn
+    (True/False/None). Returns, per config, the parsed buffer sizes plus the n_ctx llama.cpp chose.
+    """
+    check_gguf_file(Path(path))
+    _init_backend(_Log.verbose)
+    mparams = ll.llama_model_default_params()
+    mparams.no_alloc = True
+    mparams.load_mode = ll.LLAMA_LOAD_MODE_NONE  # no_alloc is refused together with mmap
+    mparams.n_gpu_layers = 0
+    model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise ModelFileError(f"llama.cpp could not read the metadata of {path}")
+    results = []
+    try:
+        for config in configs:
+            cparams = ll.llama_context_default_params()
+            cparams.n_ctx = config["n_ctx"]
+            cparams.n_batch = cparams.n_ubatch = config.get("n_batch", 512)
+            cparams.n_outputs_max = min(config.get("n_outputs_max", 0), cparams.n_batch)
+            cparams.n_seq_max = 1
+            cparams.type_k = KV_TYPES[config.get("type_k", "f16")][0]
+            cparams.type_v = KV_TYPES[config.get("type_v", "f16")][0]
+            fa = config.get("flash_attn")
+            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
+                                       ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            cparams.n_threads = cparams.n_threads_batch = 1
+            _Log.buffers.clear()
+            ctx = ll.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise EdgespecError(f"llama.cpp refused the context configuration {config}")
+            found = parse_buffer_sizes(_Log.buffers)
+            found["n_ctx"] = int(ll.llama_n_ctx(ctx))
+            ll.llama_free(ctx)
+            results.append(found)
+    finally:
+        ll.llama_model_free(model)
+    return results
+
+
+class VocabOnly:
+    """A model opened for its vocabulary alone (what the tokenizer costs in memory); `close()` frees it."""
+
+    def __init__(self, path: str | os.PathLike):
+        check_gguf_file(Path(path))
+        _init_backend(_Log.verbose)
+        mparams = ll.llama_model_default_params()
+        mparams.vocab_only = True
+        self._model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ModelFileError(f"llama.cpp could not read the vocabulary of {path}")
+
+    def close(self) -> None:
+        if self._model:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+
 class LlamaCppRuntime:
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
@@ -166,6 +250,7 @@ class LlamaCppRuntime:
         check_gguf_file(self.path)
         _init_backend(options.verbose)
         _Log.recent.clear()
+        _Log.buffers.clear()
 
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
@@ -184,7 +269,9 @@ class LlamaCppRuntime:
         cparams.n_ctx = options.n_ctx or self.n_ctx_train
         cparams.n_batch = options.n_batch
         cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = options.n_seq_max
+        cparams.kv_unified = True  # tree branches share the prompt's cells instead of copying a stream
+        cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
         cparams.n_threads = n_threads
         cparams.n_threads_batch = options.n_threads_batch or n_threads
         cparams.type_k = KV_TYPES[options.type_k][0]
@@ -204,14 +291,15 @@ class LlamaCppRuntime:
             raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {self.path}"
                                 f"{detail}; try a smaller --ctx or f16 KV types")
         self._mem = ll.llama_get_memory(self._ctx)
+        self.buffers = parse_buffer_sizes(_Log.buffers)  # what llama.cpp allocated, by buffer
         self.n_ctx = int(ll.llama_n_ctx(self._ctx))
         self.n_batch = int(ll.llama_n_batch(self._ctx))
         self.n_threads = n_threads
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
         self.vocab = self._read_vocab()
 
-        # One batch reused for every decode; its seq ids are constant (sequence 0).
-        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        # One batch reused for every decode; plain decodes use sequence 0 only.
+        self._batch = ll.llama_batch_init(self.n_batch, 0, options.n_seq_max)
         self._batch_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
         self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
         self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
@@ -223,6 +311,7 @@ class LlamaCppRuntime:
         self._n_past = 0
         self._max_logit_rows = 0
         self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
+        self.n_decoded_tokens = 0  # tokens evaluated, all calls together (prefix reuse shows here)
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -294,6 +383,10 @@ class LlamaCppRuntime:
         if self._n_past + n > self.n_ctx:
             raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
                                        f"{n} more asked); use a larger --ctx or a shorter prompt")
+        rows_max = self.options.n_outputs_max
+        if rows_max and n_logits > rows_max:
+            raise EdgespecError(f"{n_logits} logits rows asked of a context sized for {rows_max} (the memory "
+                                f"plan's draft length + 1); draft at most {rows_max - 1} tokens or re-plan")
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
         first_logit = n - n_logits
         for start in range(0, n, self.n_batch):
@@ -306,6 +399,7 @@ class LlamaCppRuntime:
             self._batch_logits[:m] = wanted
             rc = ll.llama_decode(self._ctx, self._batch)
             self.n_decode_calls += 1
+            self.n_decoded_tokens += m
             if rc != 0:
                 self.truncate(self._n_past)  # drop whatever part of the chunk got in
                 raise EdgespecError(f"llama_decode failed with code {rc} at position {self._n_past} "
@@ -317,6 +411,99 @@ class LlamaCppRuntime:
                 out[start + i - first_logit] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
         self._max_logit_rows = max(self._max_logit_rows, n_logits)
         return out
+
+    # -- token trees: branches on extra sequences, verified in one pass -----------------------------
+
+    def decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Evaluate a token tree appended to the sequence in one llama_decode; logits of every node.
+
+        Node 0 is the root (the next token of the sequence); node i > 0 follows node parents[i].
+        The chain through each node's first child stays on sequence 0; every other child opens a
+        branch sequence that shares the cells above it, so one pass sees each path as if alone.
+        Call `keep_tree_path` next: it keeps one root-to-node path and drops every other branch.
+        """
+        ids = np.asarray(tokens, dtype=np.int32)
+        par = np.asarray(parents, dtype=np.int64)
+        n = len(ids)
+        if n == 0 or len(par) != n or par[0] != -1 or (n > 1 and not (par[1:] < np.arange(1, n)).all()):
+            raise ValueError("a tree needs a root (parent -1) and parents listed before their children")
+        if n > self.n_batch or self._n_past + n > self.n_ctx:
+            raise ContextOverflowError(f"a tree of {n} nodes does not fit (batch {self.n_batch}, "
+                                       f"{self.n_ctx - self._n_past} context cells left)")
+        seq = np.zeros(n, dtype=np.int64)  # the sequence each node opens or continues
+        depth = np.zeros(n, dtype=np.int64)
+        first_child_taken = set()
+        for i in range(1, n):
+            p = int(par[i])
+            depth[i] = depth[p] + 1
+            if p in first_child_taken:
+                seq[i] = int(seq.max()) + 1  # a sibling: a new branch
+            else:
+                seq[i] = seq[p]
+                first_child_taken.add(p)
+        n_branches = int(seq.max()) + 1
+        if n_branches > self.options.n_seq_max:
+            raise ValueError(f"the tree has {n_branches} branches; the runtime was made with "
+                             f"n_seq_max={self.options.n_seq_max}")
+        # A branch sees the sequence so far and its ancestors in the tree: give each node the seqs
+        # of every branch passing through it.
+        members = [{int(seq[i])} for i in range(n)]
+        for i in range(n - 1, 0, -1):
+            members[int(par[i])] |= members[i]
+        for b in range(1, n_branches):
+            ll.llama_memory_seq_cp(self._mem, 0, b, 0, self._n_past)
+        b = self._batch
+        b.n_tokens = n
+        self._batch_token[:n] = ids
+        self._batch_pos[:n] = self._n_past + depth
+        self._batch_logits[:n] = 1
+        for i in range(n):
+            b.n_seq_id[i] = len(members[i])
+            for j, s in enumerate(sorted(members[i])):
+                b.seq_id[i][j] = s
+        rc = ll.llama_decode(self._ctx, b)
+        self.n_decode_calls += 1
+        self.n_decoded_tokens += n
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:n] = 1
+        for i in range(n):
+            b.seq_id[i][0] = 0
+        self._tree = (ids, par, seq, depth, n_branches)
+        if rc != 0:
+            self._drop_branches(n_branches)
+            ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
+            raise EdgespecError(f"llama_decode failed with code {rc} on a tree of {n} nodes")
+        out = np.empty((n, self.n_vocab), dtype=np.float32)
+        for i in range(n):
+            out[i] = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
+        self._max_logit_rows = max(self._max_logit_rows, n)
+        return out
+
+    def keep_tree_path(self, path: Sequence[int]) -> int:
+        """Keep the part of `path` (root first) that lies on the main chain; drop every branch.
+
+        Returns how many path nodes were kept. When the path leaves the main chain the rest of it
+        is not moved onto sequence 0 (the caller re-evaluates those few tokens with its next batch).
+
+        Known problem (llama-cpp-python 0.3.36, unified KV): after a batch in which two cells share
+        a position on different sequences, later single-sequence decodes differ from a fresh
+        evaluation by up to ~1 logit on SmolLM2 (seen while testing greedy trees), which is
+        more than batch rounding explains. Until that is understood the engine does not draft trees
+        unless asked to (Engine(trees=True)); chains are unaffected.
+        """
+        ids, par, seq, depth, n_branches = self._tree
+        self._tree = None
+        start = self._n_past
+        kept = next((i for i, node in enumerate(path) if seq[node] != 0), len(path))
+        self._drop_branches(n_branches)
+        if not ll.llama_memory_seq_rm(self._mem, 0, start + kept, -1):
+            raise EdgespecError(f"{self.path.name}: llama.cpp cannot roll this model's memory back")
+        self._tokens[start:start + kept] = ids[list(path[:kept])]
+        self._n_past = start + kept
+        return kept
+
+    def _drop_branches(self, n_branches: int) -> None:
+        for b in range(1, n_branches):
+            ll.llama_memory_seq_rm(self._mem, b, -1, -1)
 
     def truncate(self, n: int) -> None:
         """Roll the KV back to its first n positions (the rollback speculation needs)."""
@@ -344,7 +531,7 @@ class LlamaCppRuntime:
         size = ll.llama_state_seq_get_size(self._ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         written = ll.llama_state_seq_get_data(self._ctx, buf, size, 0)
-        return bytes(buf[:written])
+        return ctypes.string_at(buf, written)  # bytes(buf[:n]) would build a list of n ints first: 15x slower
 
     def load_state(self, blob: bytes, tokens: Sequence[int]) -> None:
         """Restore KV saved by `save_state` for exactly these tokens."""
@@ -424,3 +611,193 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, n_th
     finally:
         tmp.unlink(missing_ok=True)
     return dst
+
+
+# --- several sequences in one context (the cloud verifier's sessions) -------------------------
+
+class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
+    """One model and up to `n_seq` independent KV sequences in one llama.cpp context.
+
+    The sequences share one unified pool of n_ctx KV cells (`kv_unified=True`; with separate
+    streams the memory grows n_seq times and every copy moves a whole stream), so plan n_ctx for the
+    sum of the sequences' lengths. `decode_batch` evaluates tokens of several sequences in one
+    llama_decode call: that is how a verifier batches the work of concurrent sessions.
+
+    The single-sequence methods of `LlamaCppRuntime` (`decode`, `truncate`, `tokens`, `n_past`) are
+    not available here: every call names its sequence. Vocabulary, metadata, memory and close are
+    inherited. Not thread-safe: one thread owns it.
+    """
+
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
+        if not 1 <= n_seq <= 256:
+            raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
+        self.path = Path(path)
+        self.options = options
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        check_gguf_file(self.path)
+        _init_backend(options.verbose)
+        _Log.recent.clear()
+        _Log.buffers.clear()
+
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
+        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP if options.use_mmap else ll.LLAMA_LOAD_MODE_NONE
+        mparams.use_extra_bufts = options.extra_buffers
+        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
+            raise ModelFileError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "
+                                 f"unsupported architecture{detail}; download it again or re-export it")
+        self._vocab_ptr = ll.llama_model_get_vocab(self._model)
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
+
+        n_threads = options.n_threads or _physical_cores()
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = options.n_ctx or self.n_ctx_train
+        cparams.n_batch = options.n_batch
+        cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = True
+        cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = options.n_threads_batch or n_threads
+        cparams.type_k = KV_TYPES[options.type_k][0]
+        cparams.type_v = KV_TYPES[options.type_v][0]
+        cparams.offload_kqv = options.offload_kqv
+        cparams.no_perf = True
+        quantized_v = options.type_v not in ("f32", "f16", "bf16")
+        if options.flash_attn is None:
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized_v else ll.LLAMA_FLASH_ATTN_TYPE_AUTO
+        else:
+            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
+                                       else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self.close()
+            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
+            raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens and {n_seq} "
+                                f"sequences for {self.path}{detail}; try a smaller --ctx or fewer sessions")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.buffers = parse_buffer_sizes(_Log.buffers)  # what llama.cpp allocated, by buffer
+        self.n_ctx = int(ll.llama_n_ctx(self._ctx))
+        self.n_batch = int(ll.llama_n_batch(self._ctx))
+        self.n_threads = n_threads
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
+        self.vocab = self._read_vocab()
+        self.n_seq = n_seq
+
+        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self._batch_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
+        self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+        self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
+        self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]
+        self._max_logit_rows = 0
+        self.n_decode_calls = 0
+
+    # The one-sequence API does not apply: each call must say which sequence it means.
+    def _no_single_sequence(self, *args, **kwargs):
+        raise TypeError("LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")
+
+    decode = truncate = save_state = load_state = _no_single_sequence  # type: ignore[assignment]
+    n_past = property(_no_single_sequence)  # type: ignore[assignment]
+    tokens = property(_no_single_sequence)  # type: ignore[assignment]
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq} out of range 0..{self.n_seq - 1}")
+
+    def seq_n_past(self, seq: int) -> int:
+        self._check_seq(seq)
+        return len(self._seq_tokens[seq])
+
+    def seq_tokens(self, seq: int) -> np.ndarray:
+        self._check_seq(seq)
+        return np.asarray(self._seq_tokens[seq], dtype=np.int32)
+
+    @property
+    def cells_used(self) -> int:
+        """KV cells held by all sequences together (the unified pool has n_ctx of them)."""
+        return sum(len(t) for t in self._seq_tokens)
+
+    def seq_truncate(self, seq: int, n: int) -> None:
+        """Drop the KV of sequence `seq` at positions >= n."""
+        self._check_seq(seq)
+        held = len(self._seq_tokens[seq])
+        if not 0 <= n <= held:
+            raise ValueError(f"cannot truncate sequence {seq} to {n}: {held} positions held")
+        if n == held:
+            return
+        if not ll.llama_memory_seq_rm(self._mem, seq, n, -1):
+            raise EdgespecError(f"{self.path.name}: llama.cpp cannot remove part of this model's memory "
+                                "(recurrent or hybrid architecture); it cannot verify speculative drafts")
+        del self._seq_tokens[seq][n:]
+
+    def seq_clear(self, seq: int) -> None:
+        self.seq_truncate(seq, 0)
+
+    def decode_batch(self, work: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        """Append tokens to several sequences in as few llama_decode calls as the batch size allows.
+
+        `work` holds (seq, tokens, n_logits) with each sequence at most once; returns, for each
+        entry, float32 logits of its last n_logits tokens, shape (n_logits, n_vocab). The calls made
+        are counted in `n_decode_calls`, and `passes_by_seq` (after the call) says how many of them
+        each sequence took part in. On failure every sequence is rolled back to where it was.
+        """
+        seqs = [int(s) for s, _, _ in work]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("decode_batch: a sequence appears twice")
+        flat_seq, flat_tok, flat_pos, flat_out = [], [], [], []
+        outs: list[np.ndarray] = []
+        for entry, (seq, tokens, n_logits) in enumerate(work):
+            self._check_seq(seq)
+            ids = np.asarray(tokens, dtype=np.int32)
+            n = len(ids)
+            if n == 0 or not 0 <= n_logits <= n:
+                raise ValueError(f"decode_batch needs at least one token and 0 <= n_logits <= {n}")
+            start = len(self._seq_tokens[seq])
+            flat_seq.append(np.full(n, seq, dtype=np.int32))
+            flat_tok.append(ids)
+            flat_pos.append(np.arange(start, start + n, dtype=np.int32))
+            row = np.full(n, -1, dtype=np.int64)
+            row[n - n_logits:] = np.arange(n_logits)  # row in this entry's output; -1 = no logits
+            flat_out.append(np.stack([np.full(n, entry), row], axis=1))
+            outs.append(np.empty((n_logits, self.n_vocab), dtype=np.float32))
+        if self.cells_used + sum(len(t) for t in flat_tok) > self.n_ctx:
+            raise ContextOverflowError(f"the KV pool of {self.n_ctx} cells is full ({self.cells_used} held)")
+        seq_all = np.concatenate(flat_seq)
+        tok_all = np.concatenate(flat_tok)
+        pos_all = np.concatenate(flat_pos)
+        out_all = np.concatenate(flat_out)
+        before = {s: len(self._seq_tokens[s]) for s in seqs}
+        self.passes_by_seq = {s: 0 for s in seqs}
+        for start in range(0, len(tok_all), self.n_batch):
+            sl = slice(start, start + self.n_batch)
+            m = len(tok_all[sl])
+            self._batch.n_tokens = m
+            self._batch_token[:m] = tok_all[sl]
+            self._batch_pos[:m] = pos_all[sl]
+            for i, s in enumerate(seq_all[sl].tolist()):
+                self._batch.seq_id[i][0] = s
+            wanted = out_all[sl, 1] >= 0
+            self._batch_logits[:m] = wanted
+            rc = ll.llama_decode(self._ctx, self._batch)
+            self.n_decode_calls += 1
+            if rc != 0:
+                for s, n0 in before.items():  # drop whatever got in, on every sequence
+                    ll.llama_memory_seq_rm(self._mem, s, n0, -1)
+                    del self._seq_tokens[s][n0:]
+                raise EdgespecError(f"llama_decode failed with code {rc} (out of KV cells or compute memory); "
+                                    "fewer or shorter sessions, or a larger --ctx")
+            for s in np.unique(seq_all[sl]).tolist():
+                self.passes_by_seq[s] += 1
+            for i, s in enumerate(seq_all[sl].tolist()):
+                self._seq_tokens[s].append(int(tok_all[start + i]))
+            for i in np.flatnonzero(wanted):
+                entry, r = out_all[start + i]
+                ptr = ll.llama_get_logits_ith(self._ctx, int(i))
+                outs[entry][r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        self._max_logit_rows = max(self._max_logit_rows, sum(len(o) for o in outs))
+        return outs
