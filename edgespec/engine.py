@@ -193,7 +193,7 @@ class Engine:
 
     @classmethod
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
-             n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
+             n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int | None = None,
              flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
              offload_kqv: bool = True, verbose: bool = False, trees: bool = False,
              memory_guard: "MemoryGuard | None" = None) -> "Engine":
@@ -205,6 +205,10 @@ class Engine:
 
         if draft is None:
             draft = store.bundle_draft(target)  # an exported bundle names its own draft
+        if n_gpu_layers is None:  # None = all layers where a GPU build has a GPU, else 0
+            from edgespec.hardware import resolve_gpu_layers
+
+            n_gpu_layers = resolve_gpu_layers(None)
         options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                   flash_attn=flash_attn, type_k=type_k, type_v=type_v,
                                   offload_kqv=offload_kqv, verbose=verbose)

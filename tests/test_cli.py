@@ -31,7 +31,8 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
 
 def test_generate_json_follows_the_contract(smollm2_path, smollm2_draft):
     proc = edgespec("generate", "Write a function that adds two numbers.", "--target", smollm2_path,
-                    "--draft", smollm2_draft, "--temperature", "0", "--max-tokens", "24", "--json", "--threads", 2)
+                    "--draft", smollm2_draft, "--mode", "draft", "--temperature", "0", "--max-tokens", "24", "--json",
+                    "--threads", 2)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # exactly one JSON object on stdout
     assert set(out) >= {"text", "tokens", "prompt_tokens", "finish_reason", "stats"}

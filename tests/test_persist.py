@@ -11,7 +11,7 @@ from edgespec.persist import load_state, save_state
 
 
 def test_save_and_restore_continue_identically(smollm2_path, tmp_path):
-    cfg = GenerationConfig(max_tokens=24, temperature=0)
+    cfg = GenerationConfig(max_tokens=24, temperature=0, mode="ar")
     with Engine(load_runtime(smollm2_path)) as a:
         ids = a.prompt_tokens("Describe a lighthouse.")
         uninterrupted = a.generate_tokens(ids, cfg).tokens

@@ -1,0 +1,543 @@
+"""An OpenAI-compatible HTTP server over an engine: `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (streaming as server-sent events, or not), and `/health`.
+
+Speculative decoding runs inside, with the mode and draft chosen at start. Every response carries
+OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and an `edgespec` extension field:
+the speculative stats of the generation, how long it queued, and what the prefix cache did.
+
+Requests are served one at a time in arrival order from a bounded queue (`edgespec.aio`); a full
+queue answers 429. Each request has a time limit, max_tokens and the body size are bounded, a
+client that disconnects cancels its generation, and an API key can be required (it must be when
+binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
+"param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import secrets
+import socket
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgespec.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTimeoutError
+from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
+from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    mode: str = "auto"
+    draft_max: int | None = None
+    api_key: str | None = None
+    max_queue: int = 8                  # requests waiting behind the running one
+    timeout_s: float = 300.0            # per request, queueing included
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256       # when a request gives none (capped by the context left)
+    max_request_bytes: int = 1 << 20
+    prefix_cache_bytes: int = 256 << 20
+    reuse_prefix: bool = True
+
+
+def model_id(target: str | None) -> str:
+    """The id clients name the model by: its catalog name (also for the cached file of a catalog
+    model), or else its file name without .gguf."""
+    from edgespec.models import catalog, store
+
+    if target is None:
+        return catalog.DEFAULT_MODEL
+    if target in catalog.names():
+        return target
+    path = Path(target).expanduser().resolve()
+    for entry in catalog.entries():
+        if store.cached_path(entry).resolve() == path:
+            return entry.name
+    return path.name.removesuffix(".gguf")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, port: int, api_key: str | None) -> None:
+    """Refuse an exposed server without a key, and a port already taken, before loading models."""
+    if not is_loopback(host) and not api_key:
+        raise EdgespecError(f"binding to {host} exposes the server to the network; give --api-key KEY "
+                            "(or set EDGESPEC_API_KEY), or bind to 127.0.0.1")
+    if not 0 < port < 65536:
+        raise EdgespecError(f"--port must be between 1 and 65535, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise EdgespecError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port "
+                                "or --host") from exc
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+class _Request(BaseModel):
+    """Fields both endpoints take. Unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(40, ge=0)               # extension (llama.cpp's default)
+    min_p: float = Field(0.05, ge=0.0, lt=1.0)  # extension (llama.cpp's default)
+    repeat_penalty: float = Field(1.0, gt=0.0)  # extension
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    param = ".".join(str(p) for p in first["loc"]) or None
+    where = f"'{param}': " if param else ""
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return ApiError(400, f"invalid request: {where}{first['msg']}{more}", param=param, code="invalid_value")
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+class _Service:
+    """What the endpoints share: the engine behind its queue, the limits, the model's name."""
+
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+        self.started = int(time.time())
+        # Refuse a bad mode now, and let `auto` measure its costs before the first request.
+        self.mode, _ = engine.policy_for(GenerationConfig(mode=config.mode, draft_max=config.draft_max))
+        self.queue = AsyncEngine(engine, max_queue=config.max_queue, prefix_cache=self.prefix_cache,
+                                 reuse_prefix=config.reuse_prefix)
+        t, d = engine.target, engine.draft_runtime
+        self.fingerprint = f"edgespec-{t.name}-{t.path.name}" + (f"+{d.path.name}" if d else "")
+
+    # -- requests to generations ------------------------------------------------------------------
+
+    async def parse(self, request, model: type[BaseModel]) -> Any:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body ({int(declared)} bytes) exceeds the limit of {limit} bytes",
+                           code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        if not body:
+            raise ApiError(400, "the request has no body; send a JSON object", code="invalid_json")
+        try:
+            req = model.model_validate_json(bytes(body))
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        if req.model != self.config.model_id:
+            raise ApiError(404, f"the model {req.model!r} does not exist here; this server serves "
+                                f"{self.config.model_id!r} (see /v1/models)", code="model_not_found", param="model")
+        if req.n != 1:
+            raise ApiError(400, "n must be 1: this server generates one choice per request", param="n")
+        return req
+
+    def generation_config(self, req: _Request, n_prompt: int, max_tokens: int | None,
+                          logprobs: int | None) -> GenerationConfig:
+        n_ctx = self.engine.target.n_ctx
+        room = n_ctx - n_prompt
+        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
+            raise ApiError(400, f"max_tokens ({max_tokens}) exceeds this server's limit of "
+                                f"{self.config.max_tokens_limit}", param="max_tokens")
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, self.config.max_tokens_limit, room)
+        if room < 1 or n_prompt + max_tokens > n_ctx:
+            raise ApiError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                f"context of {n_ctx} tokens; shorten the prompt or ask for fewer tokens",
+                           code="context_length_exceeded", param="max_tokens")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if len(stop) > 4:
+            raise ApiError(400, "at most 4 stop sequences", param="stop")
+        try:
+            return GenerationConfig(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, min_p=req.min_p, repeat_penalty=req.repeat_penalty,
+                                    seed=req.seed, stop=stop, mode=self.config.mode,
+                                    draft_max=self.config.draft_max, logprobs=logprobs)
+        except EdgespecError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            n_vocab = self.engine.target.vocab.n_vocab
+            if any(not 0 <= t < n_vocab for t in prompt):
+                raise ApiError(400, f"token ids must be in [0, {n_vocab})", param="prompt")
+            return list(prompt)
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, "give one prompt per request", param="prompt")
+            prompt = prompt[0]
+        return self._tokens(prompt, raw=True)
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        messages = []
+        for m in req.messages:
+            if isinstance(m.content, list):
+                if any(p.type != "text" or p.text is None for p in m.content):
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                content = "".join(p.text for p in m.content)
+            else:
+                content = m.content or ""
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return self._tokens(messages, raw=False)
+
+    def _tokens(self, prompt, raw: bool) -> list[int]:
+        try:
+            ids = self.engine.prompt_tokens(prompt, raw=raw)
+        except EdgespecError as exc:
+            raise ApiError(400, str(exc), param="prompt" if raw else "messages") from None
+        if not ids:
+            raise ApiError(400, "the prompt has no tokens", param="prompt")
+        return ids
+
+    def submit(self, prompt_ids: list[int], config: GenerationConfig) -> AsyncGeneration:
+        try:
+            return self.queue.submit(prompt_ids, config, timeout=self.config.timeout_s)
+        except QueueFullError as exc:
+            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+
+    # -- generations to responses -----------------------------------------------------------------
+
+    def usage(self, result: GenerationResult) -> dict:
+        n = len(result.tokens)
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
+                "total_tokens": result.prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
+
+    def extension(self, gen: AsyncGeneration, result: GenerationResult) -> dict:
+        return {**result.stats.to_dict(), "finish_reason": result.finish_reason, "queue_s": gen.info.get("queue_s"),
+                "prefix_cache": gen.info.get("prefix_cache"), "draft_max": self.config.draft_max}
+
+    def visible_logprobs(self, result: GenerationResult) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens whose text was returned (a stop string cuts the rest)."""
+        limit, at, out = len(result.text.encode("utf-8")), 0, []
+        for lp in result.logprobs or []:
+            if at >= limit:
+                break
+            out.append(lp)
+            at += len(self.engine.target.token_bytes(lp.token))
+        return out
+
+    def _piece_text(self, token: int) -> tuple[str, bytes]:
+        raw = self.engine.target.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob]) -> dict:
+        content = []
+        for lp in logprobs:
+            text, raw = self._piece_text(lp.token)
+            top = []
+            for t, v in lp.top:
+                t_text, t_raw = self._piece_text(t)
+                top.append({"token": t_text, "logprob": v, "bytes": list(t_raw)})
+            content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw), "top_logprobs": top})
+        return {"content": content}
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in logprobs:
+            text, _ = self._piece_text(lp.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self._piece_text(t)[0]: v for t, v in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+
+async def _until_disconnect(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _run_to_end(request, gen: AsyncGeneration) -> GenerationResult | None:
+    """The whole generation, or None when the client went away first (its generation is cancelled)."""
+    runner = asyncio.ensure_future(gen.text())
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if runner in done:
+            return _result_or_raise(runner)
+        gen.cancel()
+        runner.cancel()
+        return None
+    finally:
+        watcher.cancel()
+        if not gen.done:
+            gen.cancel()
+
+
+def _result_or_raise(task: asyncio.Future) -> GenerationResult:
+    try:
+        return task.result()
+    except RequestTimeoutError as exc:
+        raise ApiError(504, f"{exc}; ask for fewer tokens or try again", "timeout_error", code="timeout") from None
+    except ContextOverflowError as exc:
+        raise ApiError(400, str(exc), code="context_length_exceeded") from None
+    except EdgespecError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def create_app(engine: Engine, config: ServerConfig):
+    """The FastAPI app serving `engine`. The engine is used only from the app's worker thread."""
+    service = _Service(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.queue.close()
+
+    app = FastAPI(title="edgespec", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
+                                     else None).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request) -> None:
+        if not config.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
+                           "authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        q = service.queue
+        return {"status": "ok", "model": config.model_id, "mode": service.mode,
+                "queue": {"running": q.running is not None, "waiting": q.waiting, "max_waiting": q.max_queue},
+                "requests": dict(q.counters),
+                "prefix_cache": service.prefix_cache.stats() if service.prefix_cache is not None else None}
+
+    def model_card() -> dict:
+        t, d = engine.target, engine.draft_runtime
+        return {"id": config.model_id, "object": "model", "created": service.started, "owned_by": "edgespec",
+                "edgespec": {"file": t.path.name, "draft": d.path.name if d else None, "mode": service.mode,
+                             "n_ctx": t.n_ctx, "max_tokens_limit": config.max_tokens_limit}}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        authorize(request)
+        if name != config.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist here", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        req: CompletionRequest = await service.parse(request, CompletionRequest)
+        prompt_ids = service.completion_prompt(req)
+        gen_config = service.generation_config(req, len(prompt_ids), req.max_tokens, req.logprobs)
+        gen = service.submit(prompt_ids, gen_config)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": config.model_id,
+                "system_fingerprint": service.fingerprint}
+        if req.stream:
+            offset = [0]
+
+            def chunk(piece):
+                lp = None
+                if req.logprobs is not None:
+                    lp = service.completion_logprobs(piece.logprobs, offset[0])
+                    offset[0] += len(piece.text)
+                return {**head, "choices": [{"index": 0, "text": piece.text, "logprobs": lp, "finish_reason": None}]}
+
+            def final(result):
+                return {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                             "finish_reason": _finish(result)}],
+                        "usage": service.usage(result), "edgespec": service.extension(gen, result)}
+
+            return _sse(gen, None, chunk, final, head, req)
+        result = await _run_to_end(request, gen)
+        if result is None:
+            return Response(status_code=499)
+        lp = service.completion_logprobs(service.visible_logprobs(result)) if req.logprobs is not None else None
+        return {**head, "choices": [{"index": 0, "text": result.text, "logprobs": lp, "finish_reason": _finish(result)}],
+                "usage": service.usage(result), "edgespec": service.extension(gen, result)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        req: ChatRequest = await service.parse(request, ChatRequest)
+        prompt_ids = service.chat_prompt(req)
+        n_top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        gen_config = service.generation_config(req, len(prompt_ids), max_tokens, n_top)
+        gen = service.submit(prompt_ids, gen_config)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": config.model_id,
+                "system_fingerprint": service.fingerprint}
+        if req.stream:
+            head = {**head, "object": "chat.completion.chunk"}
+            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+
+            def chunk(piece):
+                lp = service.chat_logprobs(piece.logprobs) if n_top is not None else None
+                return {**head, "choices": [{"index": 0, "delta": {"content": piece.text}, "logprobs": lp,
+                                             "finish_reason": None}]}
+
+            def final(result):
+                return {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                             "finish_reason": _finish(result)}],
+                        "usage": service.usage(result), "edgespec": service.extension(gen, result)}
+
+            return _sse(gen, first, chunk, final, head, req)
+        result = await _run_to_end(request, gen)
+        if result is None:
+            return Response(status_code=499)
+        lp = service.chat_logprobs(service.visible_logprobs(result)) if n_top is not None else None
+        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                                     "logprobs": lp, "finish_reason": _finish(result)}],
+                "usage": service.usage(result), "edgespec": service.extension(gen, result)}
+
+    def _sse(gen, first, chunk, final, head, req):
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first is not None:
+                    yield _event(first)
+                try:
+                    async for piece in gen:
+                        if piece.text or piece.logprobs:
+                            yield _event(chunk(piece))
+                    result = gen.result
+                    yield _event(final(result))
+                    if include_usage:
+                        yield _event({**head, "choices": [], "usage": service.usage(result)})
+                except RequestTimeoutError as exc:
+                    yield _event(ApiError(504, f"{exc}; ask for fewer tokens", "timeout_error", code="timeout").body())
+                except EdgespecError as exc:
+                    yield _event(ApiError(400, str(exc)).body())
+                except Exception as exc:  # noqa: BLE001 - the status line is sent already: say it in the stream
+                    yield _event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body())
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away, or the stream ended: either way nothing more to generate
+                if not gen.done:
+                    gen.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def _finish(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def run_server(engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
+               verbose: bool = False) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM)."""
+    import uvicorn
+
+    app = create_app(engine, config)
+    service = app.state.service
+    draft = f", draft {engine.draft_runtime.path.name}" if engine.draft_runtime else ""
+    shown = f"[{host}]" if ":" in host else host
+    print(f"edgespec serve: http://{shown}:{port}/v1 serving {config.model_id!r} (mode {service.mode}{draft}, "
+          f"context {engine.target.n_ctx}, queue {config.max_queue}, "
+          f"{'API key required' if config.api_key else 'no API key'})", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn.Config(app, host=host.strip("[]"), port=port, log_level="info" if verbose else "warning",
+                                  access_log=verbose, timeout_graceful_shutdown=5)).run()
