@@ -62,11 +62,16 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, tokens, stats) instead of streaming"),
     ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
     threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
-    gpu_layers: int = typer.Option(0, help="layers to offload to the GPU (-1 = all; needs a GPU build)"),
+    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
     flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
     cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
+    verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec verifier`: draft here (--draft), verify there"),
+    api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY", help="bearer token for --verifier"),
+    verifier_ca: str = typer.Option(None, "--verifier-ca", help="CA bundle to trust for an https --verifier (self-signed)"),
+    budget: str = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it"),
+    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU, e.g. 6G [default: the GPU's memory]"),
 ) -> None:
     """Generate text for one prompt, speculatively. Text goes to stdout, a stats line to stderr."""
     import json
@@ -83,8 +88,20 @@ def generate(
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
-    with load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
-                     cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose) as engine:
+    if verifier:
+        _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
+                                as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose)
+        return
+    if budget is not None or gpu_budget is not None:
+        engine = _budgeted_engine(target, draft, mode, budget, gpu_budget, ctx=ctx, threads=threads, config=config,
+                                  explicit={"--gpu-layers": gpu_layers is not None, "--flash-attn": flash_attn is not None,
+                                            "--cache-type-k": cache_type_k != "f16",
+                                            "--cache-type-v": cache_type_v != "f16"}, verbose=verbose)
+    else:
+        engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                             verbose=verbose)
+    with engine:
         stream = engine.stream(prompt if raw else messages, config)
         if as_json:
             for _ in stream:
@@ -96,6 +113,35 @@ def generate(
             sys.stdout.flush()
         sys.stdout.write("\n")
         typer.echo(stream.result.stats.summary(), err=True)
+
+
+@app.command()
+def profile(
+    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft model to profile with the target"),
+    ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens"),
+    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
+    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: detected]"),
+    refresh: bool = typer.Option(False, "--refresh", help="measure again even if a cached profile exists"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
+) -> None:
+    """Measure (or show the cached) costs that `--mode auto` weighs: verify pass by size, draft step, lookup."""
+    import json
+
+    with load_engine(target, draft, "auto", ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=None,
+                     cache_type_k="f16", cache_type_v="f16", verbose=verbose) as engine:
+        prof = engine.cost_profile(refresh=refresh)
+    if as_json:
+        typer.echo(json.dumps(prof.to_dict()))
+        return
+    plain = prof.verify(1)
+    typer.echo(f"target verify pass (measured in {prof.measured_in_s:.1f}s; plain decoding {1 / plain:.1f} tok/s):")
+    for n, s in sorted(prof.verify_s.items()):
+        typer.echo(f"  {n:>2} tokens: {s * 1000:8.2f} ms  ({s / plain:.2f} x one step)")
+    if prof.draft_s is not None:
+        typer.echo(f"draft step: {prof.draft_s * 1000:.2f} ms ({prof.draft_s / plain:.2f} x a target step)")
+    typer.echo(f"lookup proposal: {prof.lookup_s * 1e6:.0f} us")
 
 
 # --- edgespec models: the catalog and the local model store ----------------------------------
@@ -189,6 +235,263 @@ def doctor(
         typer.echo(json.dumps(doc))
     else:
         render_doctor(doc)
+
+
+# --- edgespec bench: the benchmark behind the README's speed claims, on this machine -----------
+
+
+@app.command()
+def bench(
+    models: str = typer.Option("all", help="qwen (Qwen2.5-Coder 1.5B + 0.5B draft) | smollm2 | all"),
+    repeats: int = typer.Option(None, help="timed runs per system and prompt [default: 3; --quick: 1]"),
+    max_tokens: int = typer.Option(None, "--max-tokens", "-n", help="tokens per generation [default: 128; --quick: 32]"),
+    out: str = typer.Option("bench/out", help="folder for results.json, results.md and tok_s_vs_k.png"),
+    quick: bool = typer.Option(False, "--quick", help="smoke test: 1 repeat, 2 prompts per category, 32 tokens"),
+) -> None:
+    """Measure edgespec (plain, draft model, prompt lookup) against llama-cpp-python on this machine."""
+    from edgespec.bench.run import main as bench_main
+
+    if models not in ("qwen", "smollm2", "all"):
+        raise EdgespecError(f"unknown --models {models!r}; use qwen, smollm2 or all")
+    if (repeats is not None and repeats < 1) or (max_tokens is not None and max_tokens < 2):
+        raise EdgespecError("--repeats must be >= 1 and --max-tokens >= 2")
+    argv = ["--models", models, "--out", out]
+    argv += ["--repeats", str(repeats)] if repeats is not None else []
+    argv += ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
+    argv += ["--quick"] if quick else []
+    code = bench_main(argv)
+    if code:
+        raise typer.Exit(code)
+
+
+def _budgeted_engine(target, draft, mode: str, budget: str | None, gpu_budget: str | None, *, ctx: int,
+                     threads: int | None, config, explicit: dict[str, bool], verbose: bool):
+    """`--budget`: plan the settings for this process and load exactly those (see edgespec.planner)."""
+    from edgespec.models import catalog
+    from edgespec.planner import apply_budget
+
+    given = [flag for flag, set_ in explicit.items() if set_]
+    if given:
+        raise EdgespecError(f"--budget chooses {', '.join(given)} itself; drop {'them' if len(given) > 1 else 'it'} "
+                            "or drop --budget")
+    if budget is None:
+        raise EdgespecError("--gpu-budget needs --budget (the host RAM budget) too")
+    if draft is None and mode == "draft" and target in catalog.names():
+        draft = catalog.get(target).draft
+    engine, plan = apply_budget(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx or None,
+                                max_draft=config.draft_max, sampling=config.temperature > 0, n_threads=threads,
+                                verbose=verbose, require_draft=mode == "draft")
+    for note in plan.notes:
+        typer.echo(f"budget: {note}", err=True)
+    return engine
+
+
+# --- edgespec plan: what fits a memory budget ---------------------------------------------------
+
+
+@app.command()
+def plan(
+    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path)"),
+    budget: str = typer.Option(..., "--budget", help="memory budget: RAM, or the unified pool (Apple Silicon, Jetson), e.g. 2G, 800M"),
+    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
+    ctx: int = typer.Option(None, "--ctx", "-c", help="context size that must fit [default: the largest of 4096, 2048, 1024, 512 that fits]"),
+    draft_max: int = typer.Option(None, help="longest draft length to consider [default: 4]"),
+    as_json: bool = typer.Option(False, "--json", help='print {"fits", "predicted_peak_bytes", "breakdown", "settings", ...}'),
+) -> None:
+    """Predict the peak memory of a target (+ draft) setup and choose the settings that fit a budget."""
+    import json
+
+    from edgespec.planner import plan_for_cli
+
+    result = plan_for_cli(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx, max_draft=draft_max)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    if not result.fits:  # one line on stderr, exit status 2 (with --json the object above says it too)
+        raise EdgespecError(result.failure_message())
+    if not as_json:
+        typer.echo("\n".join(result.summary_lines()))
+
+
+# --- edgespec chat: an interactive conversation that keeps its KV cache between turns ----------
+
+
+@app.command()
+def chat(
+    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary"),
+    mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup)"),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="most tokens per answer"),
+    temperature: float = typer.Option(0.8, help="0 = greedy"),
+    top_k: int = typer.Option(40, help="sample among the k most likely tokens (0 = all)"),
+    top_p: float = typer.Option(0.95, help="nucleus sampling (1 = off)"),
+    min_p: float = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)"),
+    repeat_penalty: float = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)"),
+    seed: int = typer.Option(None, help="random seed for sampling"),
+    stop: list[str] = typer.Option([], "--stop", help="end an answer when this text appears (repeatable)"),
+    draft_max: int = typer.Option(None, help="tokens drafted per round"),
+    system: str = typer.Option(None, help="system message, kept when old turns are dropped"),
+    ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
+    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
+    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
+    flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
+    cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
+    cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
+) -> None:
+    """Chat in the terminal; each turn prefills only what is new. /help lists the commands."""
+    from edgespec.chat_cli import run_chat
+    from edgespec.engine import GenerationConfig
+
+    config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
+                              mode=mode, draft_max=draft_max)
+    with load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                     cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose) as engine:
+        code = run_chat(engine, config, system=system)
+    if code:
+        raise typer.Exit(code)
+
+
+# --- edgespec serve: an OpenAI-compatible HTTP server ------------------------------------------
+
+
+@app.command()
+def serve(
+    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary"),
+    mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup), for every request"),
+    draft_max: int = typer.Option(None, help="tokens drafted per round"),
+    host: str = typer.Option("127.0.0.1", help="address to bind; anything but loopback needs --api-key"),
+    port: int = typer.Option(8000, help="TCP port"),
+    api_key: str = typer.Option(None, envvar="EDGESPEC_API_KEY", help="require 'Authorization: Bearer KEY' [env: EDGESPEC_API_KEY]"),
+    model_name: str = typer.Option(None, help="model id clients send [default: the catalog name or file name]"),
+    max_queue: int = typer.Option(8, help="requests that may wait behind the running one; more get 429"),
+    timeout: float = typer.Option(300.0, help="seconds a request may take, waiting in the queue included"),
+    max_tokens_limit: int = typer.Option(4096, help="largest max_tokens a request may ask for"),
+    max_request_kb: int = typer.Option(1024, help="largest request body in KiB; larger get 413"),
+    prefix_cache_mb: float = typer.Option(256.0, help="memory for the KV of earlier prefixes, LRU-evicted (0 = off)"),
+    no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="prefill every request from scratch (for measurements)"),
+    ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
+    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
+    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
+    flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
+    cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
+    cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
+) -> None:
+    """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding."""
+    from edgespec.server import ServerConfig, check_bind, model_id, run_server
+
+    check_bind(host, port, api_key)  # before minutes of model loading
+    with load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                     cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose) as engine:
+        config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
+                              api_key=api_key, max_queue=max_queue, timeout_s=timeout,
+                              max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
+                              prefix_cache_bytes=int(prefix_cache_mb * 2**20), reuse_prefix=not no_prefix_reuse)
+        run_server(engine, config, host=host, port=port, verbose=verbose)
+
+
+# --- edgespec verifier: the cloud side of cloud-edge speculation (joins `serve --verifier` at merge) ---
+
+
+@app.command()
+def verifier(
+    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8765, help="port to listen on"),
+    api_key: list[str] = typer.Option([], "--api-key", envvar="EDGESPEC_API_KEY",
+                                      help="bearer token clients must send (repeatable; at least 8 characters)"),
+    ssl_certfile: str = typer.Option(None, "--ssl-certfile", help="TLS certificate (PEM)"),
+    ssl_keyfile: str = typer.Option(None, "--ssl-keyfile", help="TLS private key (PEM)"),
+    max_sessions: int = typer.Option(16, help="sessions held at once (one llama.cpp sequence each; LRU eviction)"),
+    session_ctx: int = typer.Option(2048, help="tokens per session (the KV pool holds sessions x this)"),
+    idle_timeout: float = typer.Option(600.0, help="seconds before an idle session is dropped"),
+    rate: float = typer.Option(1000.0, help="requests per second allowed per API key"),
+    no_batch: bool = typer.Option(False, "--no-batch", help="verify one session per llama_decode call"),
+    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
+    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
+) -> None:
+    """Serve a target model that verifies drafts sent by `edgespec generate --verifier URL` (protocol:
+    docs/cloud_protocol.md)."""
+    from edgespec.cloud.verifier import VerifierConfig, serve
+
+    config = VerifierConfig(api_keys=tuple(api_key), max_sessions=max_sessions, max_context=session_ctx,
+                            idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=not no_batch)
+    serve(target or "smollm2-135m", config, host=host, port=port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+          n_threads=threads, n_gpu_layers=gpu_layers, verbose=verbose)
+
+
+def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,
+                            as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool) -> None:
+    """`generate --verifier`: the local model drafts, the verifier verifies; offline, the local model goes on."""
+    import json
+
+    from edgespec.cloud.client import CloudEdgeClient, CloudOptions
+
+    options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file)
+    notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
+    with CloudEdgeClient.load(draft or "smollm2-135m", options, n_ctx=ctx, n_threads=threads,
+                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
+        stream = client.stream(prompt, config)
+        if as_json:
+            for _ in stream:
+                pass
+            typer.echo(json.dumps(stream.result.to_dict()))
+            return
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        typer.echo(stream.result.stats.summary(), err=True)
+
+
+# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML bundle out ------------------
+
+
+@app.command()
+def export(
+    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory (or a hub id where the hub is reachable)"),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer"),
+    out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
+    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
+    quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "
+                              "int8/int4 (ONNX and Core ML), or FORMAT:TYPE (onnx:int8, coreml:int4) "
+                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4]"),
+    self_draft: str = typer.Option(None, "--self-draft", help="no draft? derive one from the target: quant[:TYPE] "
+                                   "(the target at fewer bits) or layers[:N] (its first N layers)"),
+    coreml_context: int = typer.Option(2048, help="Core ML: KV cache rows (the longest context)"),
+    draft_max: int = typer.Option(4, help="Core ML: tokens drafted per round (verify takes draft_max + 1)"),
+    no_measure: bool = typer.Option(False, "--no-measure", help="skip the quality and acceptance measurements"),
+    force: bool = typer.Option(False, "--force", help="replace an existing bundle at --out"),
+    allow_tokenizer_mismatch: bool = typer.Option(False, "--allow-tokenizer-mismatch", help="keep a GGUF whose "
+                                                  "llama.cpp tokenization differs from the Hugging Face tokenizer "
+                                                  "on the check texts"),
+    threads: int = typer.Option(None, help="CPU threads for quantization [default: physical cores]"),
+) -> None:
+    """Export a target (and draft) to GGUF, ONNX and Core ML in one bundle with a manifest (edgespec.json)."""
+    from edgespec.exporters.bundle import ExportOptions, export_bundle, parse_formats, parse_quants, read_manifest
+    from edgespec.exporters.progress import RichProgress
+
+    if draft_max < 1 or coreml_context < 16:
+        raise EdgespecError("--draft-max must be >= 1 and --coreml-context >= 16")
+    options = ExportOptions(formats=parse_formats(formats), **parse_quants(quant), coreml_context=coreml_context,
+                            draft_max=draft_max, self_draft=self_draft, measure=not no_measure, force=force,
+                            allow_tokenizer_mismatch=allow_tokenizer_mismatch, n_threads=threads)
+    with RichProgress() as progress:
+        path = export_bundle(target, out, draft, options, progress)
+    manifest = read_manifest(path)
+    for fmt, entry in manifest["formats"].items():
+        for role in ("target", "draft"):
+            for art in entry.get(role, []):
+                typer.echo(f"{fmt:6} {role:6} {art['quant']:7} {_bytes_h(art['bytes']):>9}  {art['file']}", err=True)
+    acceptance = manifest["quality"].get("acceptance")
+    if acceptance:
+        typer.echo(f"pair acceptance on the sample (llama.cpp, greedy): {acceptance['acceptance_rate']:.2f}, "
+                   f"mean accepted length {acceptance['mean_accepted_length']:.2f}", err=True)
+    typer.echo(str(path))
 
 
 def _is_usage_error(exc: BaseException) -> bool:
