@@ -70,8 +70,11 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
 
 
 def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Path:
-    """A model file path given as is, or the cached file of a catalog name (pulled on first use)."""
+    """A model file path given as is, the target GGUF of an exported bundle directory, or the cached
+    file of a catalog name (pulled on first use)."""
     path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
+        return _bundle_gguf(path, "target")
     if path.is_file() or (path.is_dir() and path.suffix in _MODEL_SUFFIXES):
         return path
     text = str(name_or_path)
@@ -88,6 +91,38 @@ def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Pa
             f"model {entry.name} is not downloaded; run `edgespec models pull {entry.name}`"
         )
     return pull(entry, progress=True)
+
+
+BUNDLE_MANIFEST = "edgespec.json"  # written by `edgespec export` (edgespec.exporters.bundle)
+
+
+def bundle_draft(name_or_path: str | os.PathLike | None) -> Path | None:
+    """The draft GGUF a bundle directory names for llama.cpp, or None (not a bundle, or no draft)."""
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path).expanduser()
+    if not (path.is_dir() and (path / BUNDLE_MANIFEST).is_file()):
+        return None
+    return _bundle_gguf(path, "draft", required=False)
+
+
+def _bundle_gguf(bundle: Path, role: str, required: bool = True) -> Path | None:
+    import json
+
+    try:
+        manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text(encoding="utf-8"))
+        rel = (manifest.get("runtimes", {}).get("llama.cpp") or {}).get(role)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ModelFileError(f"{bundle / BUNDLE_MANIFEST} is corrupt ({exc}); export the bundle again") from None
+    if rel is None:
+        if required:
+            raise ModelFileError(f"bundle {bundle} has no GGUF {role} for llama.cpp; export it with --format gguf")
+        return None
+    file = bundle / rel
+    if not file.is_file():
+        raise ModelFileError(f"bundle {bundle} lists {rel} as its {role} but the file is missing; "
+                             "the bundle is incomplete, export it again")
+    return file
 
 
 def model_identity(path: str | os.PathLike) -> dict:

@@ -3,6 +3,8 @@
 #   bash scripts/install.sh            # runtime only
 #   bash scripts/install.sh --test     # plus the test dependencies
 #   bash scripts/install.sh --bench    # plus the benchmark dependencies (matplotlib)
+#   bash scripts/install.sh --export   # plus `edgespec export` (torch 2.13.0 CPU, transformers, optimum-onnx,
+#                                      #   onnxruntime, coremltools): about 1.5 GB
 #
 # llama-cpp-python ships only as source, so pip compiles llama.cpp (4-8 minutes on 2 cores). The
 # wheel is kept in ~/.cache/edgespec/wheels under a key of version + build flags, so the next
@@ -27,7 +29,8 @@ for arg in "$@"; do
   case "$arg" in
     --test) extras="${extras:+$extras,}test" ;;
     --bench) extras="${extras:+$extras,}bench" ;;
-    *) echo "error: unknown option $arg (use --test and/or --bench)" >&2; exit 2 ;;
+    --export) extras="${extras:+$extras,}export" ;;
+    *) echo "error: unknown option $arg (use --test, --bench and/or --export)" >&2; exit 2 ;;
   esac
 done
 

