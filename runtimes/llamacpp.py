@@ -560,11 +560,20 @@ class LlamaCppRuntime:
         return n_layer * n_head_kv * (head_k * per_k + head_v * per_v)
 
     def memory(self) -> MemoryReport:
+        """Weights (the model's bytes) and KV from the geometry; under `other`, what llama.cpp reported
+        allocating besides: repacked weight copies, compute and output buffers. For the peak a process
+        reaches, mmap'd pages included, see `edgespec.memory.predict`."""
+        buffers = getattr(self, "buffers", {})
+        other = {"batch": self.n_batch * 4 * 4}
+        for name, suffix in (("repacked_weights", "_REPACK model"), ("compute", " compute"), ("output", " output")):
+            total = sum(v for k, v in buffers.items() if k.endswith(suffix))
+            if total:
+                other[name] = total
         return MemoryReport(
             weights=int(ll.llama_model_size(self._model)),
             kv_cache=int(self.kv_bytes_per_token() * self.n_ctx),
             logits=self._max_logit_rows * self.n_vocab * 4,
-            other={"batch": self.n_batch * 4 * 4},
+            other=other,
         )
 
     def close(self) -> None:

@@ -1,0 +1,770 @@
+"""The edge client: drafts on the device, verifies on a server, and never waits on the network idly.
+
+One loop, one thread of drafting, requests on a small thread pool. The drafter grows a chain of
+draft tokens past the committed ones; the chain is cut into blocks, each ending at a token whose
+confidence is below R2, where the product of the block's confidences falls to R1, or at a length cap.
+
+    no request in flight: send the chain's first block once it is complete; its length cap is the
+        gate's, or less: the length that maximises tokens/s given the measured acceptance rate,
+        draft step time and answer time (RTT + bytes / bandwidth + server time)
+    a request in flight: keep drafting the chain as if the block will all be accepted
+    the answer: commit accepted + correction/bonus (Engine.accept_step); when everything was
+        accepted and the bonus equals the token drafted after the block, the rest of the chain was
+        drafted on exactly this outcome and goes out next; otherwise it is dropped and drafting
+        resumes from the correction
+    no answer by the deadline, or no server: decode with the local model (plain decoding), emit
+        those tokens as they are (unverified context, counted in `offline_tokens`), probe the server
+        and rebuild the session from the token history when it is back
+
+Sequential mode (the baseline) sends complete blocks only and drafts nothing while waiting.
+
+Sampling stays lossless because the device draws each draft token from exactly the compact
+distribution it sends (top-k, uint16 weights: `protocol.compact_row`), and the server's acceptance
+draws are independent of the device's. Block boundaries depend only on the draft's own
+confidences, which leaves rejection sampling exact. Greedy needs no probabilities at all.
+
+Thresholds (R1, R2, length cap) are tuned online by Bayesian optimisation (optuna's TPE) on the
+measured throughput; RTT, uplink bandwidth and server time are measured on every request and set
+the deadline and the block length cap.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import random
+import ssl
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from edgespec.cloud.protocol import (CONTENT_TYPE, CompactProbs, ProtocolError, SessionRequest,
+                                     SessionResponse, VerifyRequest, VerifyResponse, compact_row, pack,
+                                     vocab_fingerprint)
+from edgespec.drafters import EMPTY_DRAFT, Draft
+from edgespec.engine import Engine, GenerationConfig, GenerationResult, SpeculativeState, TextAssembler, Verification
+from edgespec.errors import EdgespecError
+from edgespec.policy import FixedPolicy
+from edgespec.runtimes.base import Runtime, sync_to
+from edgespec.sampling import Sampler, sample
+from edgespec.stats import GenerationStats
+
+log = logging.getLogger("edgespec.cloud")
+
+OFFLINE = "offline"   # drafter name of tokens the local model made alone
+CLOUD = "cloud"
+
+
+@dataclass(frozen=True)
+class Gate:
+    """When to send a block: a token's confidence below `token_threshold` (R2), the product of the
+    block's confidences at or below `product_threshold` (R1), or `max_block` tokens."""
+
+    token_threshold: float = 0.3
+    product_threshold: float = 0.15
+    max_block: int = 12
+
+
+@dataclass(frozen=True)
+class CloudOptions:
+    url: str
+    api_key: str | None = None
+    pipelined: bool = True           # False: send, wait, then draft again (the sequential baseline)
+    gate: Gate = Gate()
+    probs_k: int = 16                # probability entries sent per drafted token when sampling
+    tune: bool = True                # tune the gate online (optuna)
+    tune_trials: int = 16
+    tune_window_tokens: int = 48     # tokens measured per trial
+    deadline_s: float | None = None  # None: max(deadline_floor_s, 4 x the expected answer time)
+    deadline_floor_s: float = 2.0
+    start_timeout_s: float = 30.0    # session start includes the server's prefill of the prompt
+    reconnect_s: float = 0.5         # first probe interval when offline (doubles up to 8 s)
+    ca_file: str | None = None       # TLS: trust this CA bundle (a self-signed verifier); None = system CAs
+    seed_tuner: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise EdgespecError(f"--verifier must be an http:// or https:// URL, got {self.url!r}")
+        if not 1 <= self.probs_k <= 1024:
+            raise EdgespecError("probs_k must be between 1 and 1024")
+
+
+@dataclass
+class CloudStats(GenerationStats):
+    """GenerationStats plus the network's side. `rounds` counts verifications by the server only."""
+
+    verifier_passes: int = 0     # target forward passes on the server, prefill and rebuilds included
+    bytes_sent: int = 0          # HTTP bodies and headers, both directions
+    bytes_received: int = 0
+    offline_tokens: int = 0
+    offline_spans: list = field(default_factory=list)  # [start, end) in the generated tokens
+    requests: int = 0
+    rebuilds: int = 0
+    predrafted: int = 0          # tokens drafted ahead while a verification was in flight
+    promoted: int = 0            # of those, sent on without redrafting
+    wait_s: float = 0.0          # time the drafter had nothing to do but wait for an answer
+    rtt_ms: float = 0.0
+    uplink_mbit_s: float = 0.0
+    gate: dict = field(default_factory=dict)
+
+    def record_round(self, drafter: str, n_drafted: int, n_accepted: int) -> None:
+        if drafter != OFFLINE:  # local plain decoding is not a verification
+            super().record_round(drafter, n_drafted, n_accepted)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d.update(verifier_passes=self.verifier_passes, bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+                 offline_tokens=self.offline_tokens, offline_spans=[list(s) for s in self.offline_spans],
+                 requests=self.requests, rebuilds=self.rebuilds, predrafted=self.predrafted, promoted=self.promoted,
+                 wait_s=round(self.wait_s, 6), rtt_ms=round(self.rtt_ms, 3),
+                 uplink_mbit_s=round(self.uplink_mbit_s, 3), gate=self.gate,
+                 verifier_passes_per_token=round(self.verifier_passes / self.generated, 4) if self.generated else 0.0)
+        return d
+
+    def summary(self) -> str:
+        line = super().summary() + f", {self.verifier_passes} verifier passes, {self.bytes_sent + self.bytes_received} B"
+        if self.offline_tokens:
+            line += f", {self.offline_tokens} tokens made offline (unverified)"
+        return line
+
+
+# --- measuring the link ------------------------------------------------------------------------
+
+class NetworkMonitor:
+    """Round-trip time, uplink bandwidth and server time, from every request's timing.
+
+    network time = total - server time = rtt + bytes / bandwidth, fitted by least squares over a
+    window of requests (the slope is only trusted when request sizes vary enough to show it).
+    """
+
+    def __init__(self, window: int = 64):
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.server_s = 0.0
+        self.draft_step_s = 0.0
+        self.drafted = self.accepted = 0.0
+        self._rtt, self._s_per_byte = 0.05, 0.0
+
+    def observe(self, nbytes: int, total_s: float, server_s: float) -> None:
+        self.server_s = server_s if not self.samples else 0.8 * self.server_s + 0.2 * server_s
+        self.samples.append((float(nbytes), max(0.0, total_s - server_s)))
+        x = np.array([s[0] for s in self.samples])
+        y = np.array([s[1] for s in self.samples])
+        if len(x) >= 4 and x.max() - x.min() > 256:
+            slope, intercept = np.polyfit(x, y, 1)
+            self._s_per_byte = max(0.0, float(slope))
+            self._rtt = max(0.0, float(np.median(y - self._s_per_byte * x)))
+        else:
+            self._rtt = float(np.median(y))
+
+    def observe_round(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted:
+            self.drafted = 0.95 * self.drafted + n_drafted
+            self.accepted = 0.95 * self.accepted + n_accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.8
+
+    def best_block(self, cap: int) -> int:
+        """Block length that maximises tokens per second when every token is accepted with the
+        measured rate a: (1 - a^(m+1)) / (1 - a) tokens per round, m draft steps plus one answer."""
+        if not self.samples or self.draft_step_s == 0:
+            return cap
+        a = min(self.acceptance, 0.99)
+        answer = self.expected_answer_s(200 + 100 * cap)
+        m = np.arange(1, cap + 1)
+        rate = (1 - a ** (m + 1)) / (1 - a) / (m * self.draft_step_s + answer)
+        return int(m[np.argmax(rate)])
+
+    def observe_draft_step(self, seconds: float) -> None:
+        self.draft_step_s = seconds if self.draft_step_s == 0 else 0.9 * self.draft_step_s + 0.1 * seconds
+
+    @property
+    def rtt_s(self) -> float:
+        return self._rtt
+
+    @property
+    def uplink_bytes_per_s(self) -> float:
+        return 1.0 / self._s_per_byte if self._s_per_byte > 0 else math.inf
+
+    def expected_answer_s(self, nbytes: int) -> float:
+        return self._rtt + nbytes * self._s_per_byte + self.server_s
+
+
+class GateTuner:
+    """Online Bayesian optimisation of the gate: one optuna trial per window of tokens, scored by
+    tokens per second, then the best gate found. The study lives as long as the client."""
+
+    SPACE = {"token_threshold": (0.0, 0.9), "product_threshold": (0.0, 0.6), "max_block": (2, 24)}
+
+    def __init__(self, initial: Gate, n_trials: int, window_tokens: int, seed: int = 0):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._optuna = optuna
+        d = optuna.distributions
+        self.distributions = {"token_threshold": d.FloatDistribution(*self.SPACE["token_threshold"]),
+                              "product_threshold": d.FloatDistribution(*self.SPACE["product_threshold"]),
+                              "max_block": d.IntDistribution(*self.SPACE["max_block"])}
+        self.study = optuna.create_study(direction="maximize",
+                                         sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=5))
+        self.study.enqueue_trial(asdict(initial))
+        self.n_trials, self.window_tokens = n_trials, window_tokens
+        self.gate = initial
+        self._trial = None
+        self._tokens, self._seconds = 0, 0.0
+        self._next()
+
+    def _next(self) -> None:
+        done = [t for t in self.study.trials if t.state == self._optuna.trial.TrialState.COMPLETE]
+        if len(done) >= self.n_trials:
+            self.gate, self._trial = Gate(**self.study.best_params), None
+            return
+        self._trial = self.study.ask(self.distributions)
+        self.gate = Gate(**self._trial.params)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self._trial is None:
+            return
+        self._tokens += tokens
+        self._seconds += seconds
+        if self._tokens >= self.window_tokens and self._seconds > 0:
+            self.study.tell(self._trial, self._tokens / self._seconds)
+            self._tokens, self._seconds = 0, 0.0
+            self._next()
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+class VerifierError(Exception):
+    """The verifier answered with an error status."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+class _Http:
+    """msgpack over HTTP with byte counting. Thread-safe (httpx.Client is)."""
+
+    def __init__(self, url: str, api_key: str | None, ca_file: str | None):
+        import httpx
+
+        self.httpx = httpx
+        headers = {"Content-Type": CONTENT_TYPE, "Accept": CONTENT_TYPE}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, verify=verify,
+                                   timeout=httpx.Timeout(60.0, connect=3.0), trust_env=False,
+                                   limits=httpx.Limits(max_connections=8, max_keepalive_connections=4))
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.received = 0
+        self.requests = 0
+
+    def call(self, method: str, path: str, message: dict | None = None, timeout: float | None = None) -> tuple[dict, int]:
+        """Returns (answer, bytes sent in this request's body). Raises VerifierError or httpx errors."""
+        import msgpack
+
+        body = pack(message) if message is not None else b""
+        request = self.client.build_request(method, path, content=body or None,
+                                            timeout=timeout if timeout is not None else self.httpx.USE_CLIENT_DEFAULT)
+        head = len(method) + len(path) + 12 + sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
+        response = self.client.send(request)
+        data = response.content
+        with self._lock:
+            self.sent += head + len(body)
+            self.received += 17 + sum(len(k) + len(v) + 4 for k, v in response.headers.raw) + len(data)
+            self.requests += 1
+        try:
+            answer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 20, max_str_len=8192)
+        except Exception:
+            answer = None
+        if not isinstance(answer, dict):
+            raise VerifierError(response.status_code, "malformed", f"the verifier's answer is not a msgpack map "
+                                                                   f"(HTTP {response.status_code})")
+        if response.status_code != 200:
+            raise VerifierError(response.status_code, str(answer.get("error", "?")), str(answer.get("message", "")))
+        return answer, len(body)
+
+    def counters(self) -> tuple[int, int, int]:
+        with self._lock:
+            return self.sent, self.received, self.requests
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# --- the blocks being drafted -------------------------------------------------------------------
+
+class _Chain:
+    """Drafted tokens beyond the committed ones, with their confidences and compact distributions.
+
+    While a block is in flight it is the chain's first `inflight` tokens; the token after them is the
+    bonus the drafter assumes; what follows is drafted ahead for the next block.
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.conf: list[float] = []
+        self.ids: list = []
+        self.weights: list = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, conf: float, ids, weights) -> None:
+        self.tokens.append(token)
+        self.conf.append(conf)
+        self.ids.append(ids)
+        self.weights.append(weights)
+
+    def drop(self, n: int) -> None:
+        del self.tokens[:n], self.conf[:n], self.ids[:n], self.weights[:n]
+
+    def block_end(self, gate: Gate, room: int, eog: frozenset[int]) -> int | None:
+        """Length of the first block: through the first token whose confidence is below the
+        token threshold, or where the product falls to the product threshold, or an
+        end-of-generation token, or `room` tokens. None: no boundary among the tokens drafted yet."""
+        product = 1.0
+        for i, (token, conf) in enumerate(zip(self.tokens[:room], self.conf)):
+            product *= conf
+            if conf < gate.token_threshold or product <= gate.product_threshold or token in eog:
+                return i + 1
+        return room if len(self) >= room else None
+
+    def request(self, n: int, greedy: bool) -> tuple[np.ndarray, CompactProbs | None]:
+        tokens = np.asarray(self.tokens[:n], dtype=np.int32)
+        if greedy or n == 0:
+            return tokens, None
+        return tokens, CompactProbs(np.stack(self.ids[:n]).astype(np.int32), np.stack(self.weights[:n]).astype(np.uint16))
+
+
+@dataclass
+class _Server:
+    session_id: str
+    revision: int
+    n_past: int
+    limits: SessionResponse
+
+
+@dataclass
+class _InFlight:
+    future: concurrent.futures.Future
+    tokens: np.ndarray
+    sent_at: float
+    deadline: float
+
+
+# --- the client --------------------------------------------------------------------------------
+
+class CloudEdgeClient:
+    """A local draft model and a remote verifier. One generation at a time."""
+
+    def __init__(self, draft: Runtime, options: CloudOptions, notify: Callable[[str], None] | None = None):
+        self.engine = Engine(draft)  # the draft model is the local target when offline
+        self.draft = draft
+        self.options = options
+        self.notify = notify or (lambda message: log.warning(message))
+        self.http = _Http(options.url, options.api_key, options.ca_file)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="edgespec-net")
+        self.monitor = NetworkMonitor()
+        self.tuner = (GateTuner(options.gate, options.tune_trials, options.tune_window_tokens, options.seed_tuner)
+                      if options.tune else None)
+        self._vocab_hash: str | None = None
+        self._sessions_passes: dict[str, int] = {}
+        self.last_state: SpeculativeState | None = None
+
+    @classmethod
+    def load(cls, draft: str | Path, options: CloudOptions, *, n_ctx: int = 4096, n_threads: int | None = None,
+             n_gpu_layers: int | None = 0, verbose: bool = False, notify: Callable[[str], None] | None = None):
+        from edgespec.hardware import resolve_gpu_layers
+        from edgespec.models import store
+        from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
+
+        n_gpu_layers = resolve_gpu_layers(n_gpu_layers)  # None: all layers where a GPU build has a GPU
+
+        runtime = LlamaCppRuntime(store.resolve(draft), LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads,
+                                                                        n_gpu_layers=n_gpu_layers, verbose=verbose))
+        try:
+            return cls(runtime, options, notify)
+        except BaseException:
+            runtime.close()
+            raise
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.http.close()
+        self.draft.close()
+
+    def __enter__(self) -> "CloudEdgeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def gate(self) -> Gate:
+        return self.tuner.gate if self.tuner else self.options.gate
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def stream(self, prompt, config: GenerationConfig = GenerationConfig(), **overrides) -> "CloudGenerationStream":
+        from dataclasses import replace
+
+        config = replace(config, **overrides) if overrides else config
+        return CloudGenerationStream(self, self.engine.prompt_tokens(prompt, raw=config.raw), config)
+
+    def generate(self, prompt, config: GenerationConfig = GenerationConfig(), **overrides) -> GenerationResult:
+        stream = self.stream(prompt, config, **overrides)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def generate_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> GenerationResult:
+        stream = CloudGenerationStream(self, list(prompt_ids), config)
+        for _ in stream:
+            pass
+        return stream.result
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def _start_request(self, state: SpeculativeState, resume: str | None) -> SessionRequest:
+        seed_seq = np.random.SeedSequence([state.stats.seed, 1])  # independent of the drafting stream
+        server_seed = int(seed_seq.generate_state(2, np.uint64)[0] >> np.uint64(1))
+        return SessionRequest(state.committed.copy(), state.sampler.params, server_seed, resume)
+
+    def _call_start(self, request: SessionRequest, timeout: float) -> tuple[SessionResponse, float]:
+        t = time.perf_counter()
+        answer, _ = self.http.call("POST", "/v1/sessions", request.to_wire(), timeout=timeout)
+        try:
+            response = SessionResponse.from_wire(answer)
+        except ProtocolError as exc:
+            raise VerifierError(502, "malformed", exc.message) from None
+        return response, time.perf_counter() - t
+
+    def _check_session(self, state: SpeculativeState, r: SessionResponse) -> _Server:
+        if self._vocab_hash is None:
+            self._vocab_hash = vocab_fingerprint(self.draft)
+        if r.n_vocab != self.draft.vocab.n_vocab or r.vocab_hash != self._vocab_hash:
+            raise EdgespecError("the verifier's target model has another vocabulary than the draft model; use a "
+                                "draft from the target's family (same tokenizer)")
+        need = state.n_prompt + state.max_tokens
+        if need > r.max_context:
+            raise EdgespecError(f"prompt ({state.n_prompt} tokens) plus --max-tokens ({state.max_tokens}) exceeds the "
+                                f"verifier's session context of {r.max_context} tokens; use fewer --max-tokens")
+        self._sessions_passes[r.session_id] = r.passes
+        return _Server(r.session_id, r.revision, r.n_past, r)
+
+    def _passes(self) -> int:
+        return sum(self._sessions_passes.values())
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def rounds(self, prompt_ids: Sequence[int], config: GenerationConfig) -> Iterator[tuple[SpeculativeState, np.ndarray]]:
+        """Yields (state, tokens added) until a stop; the state's stats are CloudStats."""
+        opts = self.options
+        t0 = time.perf_counter()
+        seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
+        sent0, recv0, req0 = self.http.counters()
+        self._sessions_passes = {}
+        # Ask the server to prefill while the draft model prefills here.
+        probe = CloudStats(mode=CLOUD, prompt_tokens=len(prompt_ids), seed=seed)
+        placeholder = SpeculativeState(np.asarray(prompt_ids, dtype=np.int32), len(prompt_ids), len(prompt_ids),
+                                       config.max_tokens, Sampler(config.sampling, seed), probe)
+        if not prompt_ids or len(prompt_ids) + config.max_tokens > self.draft.n_ctx:
+            self.engine.start(prompt_ids, config, FixedPolicy(None, 0), CLOUD)  # raises the engine's clear error
+        start_future = self.pool.submit(self._call_start, self._start_request(placeholder, None), opts.start_timeout_s)
+        state = self.engine.start(prompt_ids, replace_seed(config, seed), FixedPolicy(None, 0), CLOUD)
+        base = state.stats
+        state.stats = CloudStats(mode=CLOUD, prompt_tokens=base.prompt_tokens, seed=seed, prefill_s=base.prefill_s)
+        self.last_state = state
+        stats: CloudStats = state.stats
+        server: _Server | None = None
+        last_sid: str | None = None
+        try:
+            response, elapsed = start_future.result(timeout=opts.start_timeout_s + 1)
+            try:
+                server = self._check_session(state, response)
+            except EdgespecError:
+                self.pool.submit(self._close_quietly, response.session_id)
+                raise
+            last_sid = server.session_id
+            self.monitor.observe(len(placeholder.committed) * 4 + 200, elapsed, response.server_s)
+        except EdgespecError:
+            raise
+        except VerifierError as exc:
+            if exc.status in (401, 403):
+                raise EdgespecError(f"the verifier refused the API key ({exc.message}); pass the right --api-key")
+            if exc.status < 500 and exc.status != 429:
+                raise EdgespecError(f"the verifier refused the session: {exc.message}")
+            self.notify(f"verifier unavailable ({exc.status} {exc.code}); generating with the local model, unverified")
+        except Exception as exc:
+            self.notify(f"verifier unreachable ({type(exc).__name__}); generating with the local model, unverified")
+        stats.prefill_s = time.perf_counter() - t0
+
+        chain = _Chain()
+        inflight: _InFlight | None = None
+        next_probe, probe_every, probe_future = time.perf_counter() + opts.reconnect_s, opts.reconnect_s, None
+        last_commit = time.perf_counter()
+        t_decode = time.perf_counter()
+        eog = self.draft.vocab.eog
+        greedy = state.sampler.params.greedy
+
+        def go_offline(reason: str) -> None:
+            nonlocal server, inflight, chain, next_probe, probe_every
+            if server is not None:
+                self.notify(f"verifier {reason}; continuing with the local model, output unverified until it is back")
+            server, inflight, chain = None, None, _Chain()
+            probe_every = opts.reconnect_s
+            next_probe = time.perf_counter() + probe_every
+
+        def rebuild(resume: str | None) -> bool:
+            """Start the session again from the whole history (same session id when it still exists)."""
+            nonlocal server, chain, last_sid
+            request = self._start_request(state, resume)
+            try:
+                response, elapsed = self.pool.submit(self._call_start, request, opts.start_timeout_s).result(
+                    timeout=opts.start_timeout_s + 1)
+            except VerifierError as exc:
+                if exc.status in (401, 403):
+                    raise EdgespecError(f"the verifier refused the API key ({exc.message}); pass the right --api-key")
+                return False
+            except Exception:
+                return False
+            server = self._check_session(state, response)
+            last_sid = server.session_id
+            stats.rebuilds += 1
+            chain = _Chain()
+            return True
+
+        try:
+            while state.finish_reason is None:
+                now = time.perf_counter()
+                # 1. an answer has come back
+                if inflight is not None and inflight.future.done():
+                    done, inflight = inflight, None
+                    t_answer = time.perf_counter()
+                    try:
+                        answer, nbytes = done.future.result()
+                        response = VerifyResponse.from_wire(answer, self.draft.vocab.n_vocab)
+                    except VerifierError as exc:
+                        if exc.status in (401, 403):
+                            raise EdgespecError(f"the verifier refused the API key ({exc.message})") from None
+                        if exc.status in (404, 409):
+                            if not rebuild(server.session_id if exc.status == 409 else None):
+                                go_offline("lost the session and could not rebuild it")
+                            continue
+                        if exc.status >= 500 or exc.status == 429:
+                            go_offline(f"answered {exc.status} {exc.code}")
+                            continue
+                        raise EdgespecError(f"the verifier refused a request: {exc.message}") from None
+                    except ProtocolError as exc:
+                        raise EdgespecError(f"the verifier sent a malformed answer: {exc.message}") from None
+                    except Exception as exc:
+                        go_offline(f"unreachable ({type(exc).__name__})")
+                        continue
+                    self.monitor.observe(nbytes, t_answer - done.sent_at, response.server_s)
+                    self.monitor.observe_round(len(done.tokens), min(response.n_accepted, len(done.tokens)))
+                    n_sent, n = len(done.tokens), response.n_accepted
+                    if n > n_sent or response.n_past != server.n_past + n + 1:
+                        raise EdgespecError("the verifier's answer does not fit the request (protocol violation)")
+                    server.revision, server.n_past = response.revision, response.n_past
+                    self._sessions_passes[server.session_id] = response.passes
+                    new = self.engine.accept_step(state, Verification(Draft(done.tokens), n, response.token), CLOUD)
+                    if n == n_sent and len(chain) > n_sent and chain.tokens[n_sent] == response.token:
+                        chain.drop(n_sent + 1)  # drafted ahead on exactly this outcome: it goes out next
+                        stats.promoted += len(chain)
+                    else:
+                        chain = _Chain()  # drafted on a future that did not happen
+                    if self.tuner is not None:
+                        t = time.perf_counter()
+                        self.tuner.observe(len(new), t - last_commit)
+                        last_commit = t
+                    if len(new):
+                        yield state, new
+                    continue
+
+                # 2. the answer is late: carry on alone
+                if inflight is not None and now > inflight.deadline:
+                    go_offline(f"slower than the {inflight.deadline - inflight.sent_at:.1f} s deadline")
+                    continue
+
+                # 3. offline: one token with the local model, and now and then a probe
+                if server is None:
+                    if probe_future is not None and probe_future.done():
+                        ok = probe_future.exception() is None
+                        probe_future = None
+                        if ok and rebuild(last_sid):
+                            self.notify("verifier is back; verifying again")
+                            continue
+                        probe_every = min(8.0, probe_every * 2)
+                        next_probe = time.perf_counter() + probe_every
+                    if probe_future is None and time.perf_counter() >= next_probe:
+                        probe_future = self.pool.submit(self.http.call, "GET", "/v1/health", None, 2.0)
+                    new = self._offline_token(state)
+                    if len(new):
+                        yield state, new
+                    continue
+
+                # 4. the link is idle: send the chain's first block once it is complete
+                gate = self.gate
+                room = self._room(gate, state.remaining - 1, server, state.n)
+                if inflight is None:
+                    end = chain.block_end(gate, min(room, self.monitor.best_block(max(1, room))), eog)
+                    if end is not None:
+                        inflight = self._send(server, *chain.request(end, greedy))
+                        continue
+                else:
+                    # drafting ahead: past the block in flight and the bonus token it is assumed to end with
+                    n_fly = len(inflight.tokens)
+                    room_after = self._room(gate, state.remaining - n_fly - 2, server, state.n + n_fly + 1)
+                    if not opts.pipelined or room_after <= 0 or len(chain) - n_fly - 1 >= room_after:
+                        t = time.perf_counter()
+                        concurrent.futures.wait([inflight.future], timeout=max(0.0, inflight.deadline - t))
+                        stats.wait_s += time.perf_counter() - t
+                        continue
+
+                # 5. draft one more token at the end of the chain
+                context = state.committed
+                if len(chain):
+                    context = np.concatenate([context, np.asarray(chain.tokens, dtype=np.int32)])
+                t = time.perf_counter()
+                token, conf, ids, weights = self._draft_one(state, context)
+                dt = time.perf_counter() - t
+                stats.draft_s += dt
+                self.monitor.observe_draft_step(dt)
+                if inflight is not None:
+                    stats.predrafted += 1
+                chain.add(token, conf, ids, weights)
+        finally:
+            stats.decode_s = time.perf_counter() - t_decode
+            stats.verify_s = stats.wait_s
+            sent, recv, req = self.http.counters()
+            stats.bytes_sent, stats.bytes_received, stats.requests = sent - sent0, recv - recv0, req - req0
+            stats.verifier_passes = self._passes()
+            stats.rtt_ms = self.monitor.rtt_s * 1000
+            bw = self.monitor.uplink_bytes_per_s
+            stats.uplink_mbit_s = 0.0 if math.isinf(bw) else bw * 8 / 1e6
+            stats.gate = asdict(self.gate)
+            if server is not None:
+                sid = server.session_id
+                self.pool.submit(self._close_quietly, sid)
+
+    def _close_quietly(self, session_id: str) -> None:
+        try:
+            self.http.call("DELETE", f"/v1/sessions/{session_id}", None, 5.0)
+        except Exception:
+            pass
+
+    @staticmethod
+    def _room(gate: Gate, room: int, server: _Server, n_base: int) -> int:
+        """Most tokens a block may hold: the gate's cap, the generation budget, the server's limits."""
+        limits = server.limits
+        return max(0, min(gate.max_block, room, limits.max_draft, limits.max_context - n_base - 1))
+
+    def _send(self, server: _Server, tokens: np.ndarray, probs: CompactProbs | None) -> _InFlight:
+        if server.n_past != self.last_state.n:
+            raise EdgespecError("internal: client and verifier disagree on the committed length")
+        request = VerifyRequest(server.revision, server.n_past, tokens, probs)
+        nbytes = 200 + len(tokens) * 4 + (0 if probs is None else probs.nbytes)
+        expected = self.monitor.expected_answer_s(nbytes)
+        deadline_s = self.options.deadline_s or max(self.options.deadline_floor_s, 4 * expected)
+        t = time.perf_counter()
+        future = self.pool.submit(self.http.call, "POST", f"/v1/sessions/{server.session_id}/verify",
+                                  request.to_wire(), deadline_s + 5)
+        return _InFlight(future, tokens, t, t + deadline_s)
+
+    def _draft_one(self, state: SpeculativeState, context: np.ndarray):
+        """One draft token after `context`: (token, confidence, compact ids, weights)."""
+        rt = self.draft
+        kept = sync_to(rt, context)
+        if kept == len(context):
+            rt.truncate(kept - 1)
+            kept -= 1
+        logits = rt.decode(context[kept:], 1)
+        sampler = state.sampler
+        row = sampler.rows(logits, context, context[:0])[0]
+        if sampler.params.greedy:
+            token = int(np.argmax(row))
+            z = np.exp(logits[0].astype(np.float64) - float(logits[0].max()))
+            return token, float(z[token] / z.sum()), None, None
+        ids, weights, q = self._compact(row)
+        token = sample(q, sampler.rng)
+        return token, float(q[token]), ids, weights
+
+    def _compact(self, row: np.ndarray):
+        """The distribution sent and the one drafted from: they must be the same (see module doc)."""
+        return compact_row(row, self.options.probs_k)
+
+    def _offline_token(self, state: SpeculativeState) -> np.ndarray:
+        """Plain decoding with the local model: the engine's zero-draft round on the draft runtime."""
+        rt, committed = self.draft, state.committed
+        kept = sync_to(rt, committed[:-1])
+        if kept < len(committed) - 1:
+            rt.decode(committed[kept:-1], 0)
+        t = time.perf_counter()
+        logits = rt.decode(committed[-1:], 1)
+        row = state.sampler.rows(logits, committed, committed[:0])
+        token = state.sampler.pick(row[0])
+        state.stats.draft_s += time.perf_counter() - t
+        start = state.n - state.n_prompt
+        new = self.engine.accept_step(state, Verification(EMPTY_DRAFT, 0, token), OFFLINE)
+        stats: CloudStats = state.stats
+        if len(new):
+            stats.offline_tokens += len(new)
+            if stats.offline_spans and stats.offline_spans[-1][1] == start:
+                stats.offline_spans[-1][1] = start + len(new)
+            else:
+                stats.offline_spans.append([start, start + len(new)])
+        return new
+
+
+def replace_seed(config: GenerationConfig, seed: int) -> GenerationConfig:
+    from dataclasses import replace
+
+    return replace(config, seed=seed)
+
+
+class CloudGenerationStream:
+    """Text pieces of one cloud-edge generation; `.result` holds the whole result afterwards."""
+
+    def __init__(self, client: CloudEdgeClient, prompt_ids: list[int], config: GenerationConfig):
+        self.client = client
+        self.prompt_ids = prompt_ids
+        self.config = config
+        self.result: GenerationResult | None = None
+        self.state: SpeculativeState | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        with self.client.engine.exclusive():  # one generation at a time on the draft runtime
+            yield from self._pieces()
+
+    def _pieces(self) -> Iterator[str]:
+        client = self.client
+        text = TextAssembler(self.config.stop)
+        loop = self.client.rounds(self.prompt_ids, self.config)
+        try:
+            for state, new in loop:
+                piece = text.feed(b"".join(client.draft.token_bytes(t) for t in new.tolist()))
+                if piece:
+                    yield piece
+                if text.stopped:
+                    break
+        finally:
+            loop.close()
+        if not text.stopped:
+            piece = text.feed(b"", final=True)
+            if piece:
+                yield piece
+        state = self.state = client.last_state
+        finish = "stop" if text.stopped else state.finish_reason or "stop"
+        self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
+                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats)

@@ -1,0 +1,459 @@
+"""The verifier: a server that hosts the target model and verifies drafts for many edge sessions.
+
+Each session is one llama.cpp sequence in one shared context (`LlamaCppMultiSeqRuntime`, unified
+KV pool sized sessions x context), so concurrent sessions cost KV cells, not model copies, and one
+`llama_decode` verifies the drafts of every session that has work queued. One worker thread owns
+the model and every session; HTTP handlers (FastAPI on uvicorn) only parse, authenticate, rate-limit
+and hand jobs to it. A session is rebuilt from the client's token history whenever this replica does
+not know it (restart, eviction, another replica behind a load balancer), so no state is sticky.
+
+Randomness is replica-independent: the acceptance draws of the round at committed length n use
+`numpy.random.default_rng([seed, n])`, with the seed the client gave at session start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgespec.cloud.protocol import (CONTENT_TYPE, Limits, ProtocolError, SessionRequest, SessionResponse,
+                                     VerifyRequest, VerifyResponse, error_message, pack, unpack, vocab_fingerprint)
+from edgespec.errors import EdgespecError
+from edgespec.sampling import Sampler
+from edgespec.verify import accept_greedy, accept_sampling
+
+log = logging.getLogger("edgespec.cloud.verifier")
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    api_keys: tuple[str, ...]
+    max_sessions: int = 16
+    max_context: int = 2048          # tokens per session
+    idle_timeout_s: float = 600.0
+    max_draft: int = 64
+    max_probs_k: int = 64
+    max_body_bytes: int = 1 << 20
+    rate_per_s: float = 1000.0       # requests per second per API key (token bucket)
+    rate_burst: float = 2000.0
+    max_queue: int = 256             # jobs waiting for the model before new ones get 503
+    batch: bool = True               # verify concurrent sessions in one llama_decode
+
+    def __post_init__(self) -> None:
+        if not self.api_keys or any(len(k) < 8 for k in self.api_keys):
+            raise EdgespecError("the verifier needs --api-key with at least 8 characters (clients send it as a "
+                                "bearer token)")
+        if not 1 <= self.max_sessions <= 256:
+            raise EdgespecError("--max-sessions must be between 1 and 256")
+        if self.max_context < 16:
+            raise EdgespecError("--session-ctx must be at least 16 tokens")
+
+
+def key_id(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Session:
+    id: str
+    owner: str                   # key_id of the API key that created it
+    seq: int
+    tokens: list[int]            # committed; the runtime holds the KV of tokens[:-1]
+    sampler: Sampler
+    seed: int
+    revision: int = 0
+    passes: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Job:
+    kind: str                    # "start" | "verify" | "close"
+    owner: str
+    request: object
+    session_id: str | None
+    future: concurrent.futures.Future
+    t_arrived: float = field(default_factory=time.perf_counter)
+
+
+class VerifierCore:
+    """The model, the sessions and the worker thread that serves them. No HTTP in here."""
+
+    def __init__(self, runtime, config: VerifierConfig):
+        self.runtime = runtime
+        self.config = config
+        self.limits = Limits(n_vocab=runtime.vocab.n_vocab, max_body_bytes=config.max_body_bytes,
+                             max_context=config.max_context, max_draft=config.max_draft,
+                             max_probs_k=config.max_probs_k)
+        self.vocab_hash = vocab_fingerprint(runtime)
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.free_seqs = list(range(runtime.n_seq))
+        self.counters = {"passes": 0, "multi_session_calls": 0, "sessions_started": 0,
+                         "sessions_rebuilt": 0, "evicted": 0, "expired": 0, "verified": 0}
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="edgespec-verifier", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads ------------------------------------------------------------------
+
+    def submit(self, kind: str, owner: str, request, session_id: str | None = None) -> concurrent.futures.Future:
+        if self._queue.qsize() >= self.config.max_queue:
+            raise ProtocolError(503, "overloaded", "the verifier is overloaded; retry later")
+        job = _Job(kind, owner, request, session_id, concurrent.futures.Future())
+        self._queue.put(job)
+        return job.future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    # -- the worker thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_sweep = time.monotonic()
+        while True:
+            try:
+                job = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                job = False
+            if time.monotonic() - last_sweep > 1.0:
+                self._expire_idle()
+                last_sweep = time.monotonic()
+            if job is None:
+                return
+            if job is False:
+                continue
+            jobs = [job]
+            while self.config.batch and len(jobs) < self.runtime.n_seq:  # whatever else is waiting joins the pass
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                jobs.append(more)
+            try:
+                self._serve(jobs)
+            except Exception as exc:  # never let the worker die: fail these jobs, keep serving
+                log.exception("verifier worker error")
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(ProtocolError(500, "internal", f"{type(exc).__name__}"))
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        work, pending, busy = [], [], set()
+        for job in jobs:
+            try:
+                if job.kind == "close":
+                    self._close(job)
+                    continue
+                session, item = self._prepare(job, busy)
+                busy.add(session.id)
+                pending.append((job, session, item))
+                if item is not None:
+                    work.append(item)
+            except ProtocolError as exc:
+                job.future.set_exception(exc)
+        outs = {}
+        if work:
+            try:
+                results = self.runtime.decode_batch(work)
+            except Exception as exc:
+                for job, session, _ in pending:
+                    if job.kind == "start":  # a half-built session would be out of step: drop it
+                        self._drop(session)
+                    job.future.set_exception(ProtocolError(503, "decode_failed", str(exc)))
+                return
+            calls, self.runtime.n_decode_calls = self.runtime.n_decode_calls, 0
+            self.counters["passes"] += calls
+            if len(work) > 1:
+                self.counters["multi_session_calls"] += calls
+            outs = {item[0]: rows for item, rows in zip(work, results)}
+        for job, session, item in pending:
+            try:
+                session.passes += self.runtime.passes_by_seq.get(session.seq, 0) if item is not None else 0
+                if job.kind == "start":
+                    job.future.set_result(self._start_done(job, session))
+                else:
+                    job.future.set_result(self._verify_done(job, session, outs[session.seq]))
+            except ProtocolError as exc:
+                job.future.set_exception(exc)
+
+    def _owned(self, session_id: str | None, owner: str) -> Session | None:
+        session = self.sessions.get(session_id) if session_id else None
+        if session is None or not hmac.compare_digest(session.owner, owner):
+            return None  # someone else's session is as unknown as a missing one
+        return session
+
+    def _prepare(self, job: _Job, busy: set[str]):
+        """Validate a job against the session state; return (session, decode work item or None)."""
+        if job.kind == "start":
+            req: SessionRequest = job.request
+            session = self._owned(req.resume, job.owner)
+            if session is not None and session.id in busy:
+                raise ProtocolError(409, "busy", "this session has a request in progress")
+            history = req.tokens.tolist()
+            if session is None:
+                session = self._new_session(job.owner, req, busy)
+                kept = 0
+            else:  # rebuild in place: keep the KV of the prefix both histories share
+                held = self.runtime.seq_tokens(session.seq)
+                target = np.asarray(history[:-1], dtype=np.int32)
+                n = min(len(held), len(target))
+                diff = np.flatnonzero(held[:n] != target[:n])
+                kept = int(diff[0]) if diff.size else n
+                self.runtime.seq_truncate(session.seq, kept)
+                session.sampler = Sampler(req.sampling, req.seed)
+                session.seed = req.seed
+                session.revision += 1
+                self.counters["sessions_rebuilt"] += 1
+            session.tokens = history
+            self.sessions.move_to_end(session.id)
+            session.last_used = time.monotonic()
+            todo = history[kept:-1]
+            return session, ((session.seq, todo, 0) if todo else None)
+
+        req: VerifyRequest = job.request
+        session = self._owned(job.session_id, job.owner)
+        if session is None:
+            raise ProtocolError(404, "unknown_session", "no such session here (expired, evicted, another replica "
+                                                        "or a restart): start it again from your token history")
+        if session.id in busy:
+            raise ProtocolError(409, "busy", "this session has a request in progress")
+        if req.revision != session.revision or req.n_past != len(session.tokens):
+            raise ProtocolError(409, "out_of_sync", f"the session is at revision {session.revision} with "
+                                                    f"{len(session.tokens)} tokens; rebuild it from your history")
+        if len(session.tokens) + len(req.draft) + 1 > self.config.max_context:
+            raise ProtocolError(422, "context_full", f"the session would exceed {self.config.max_context} tokens")
+        self.sessions.move_to_end(session.id)
+        session.last_used = time.monotonic()
+        fed = [session.tokens[-1]] + req.draft.tolist()
+        return session, (session.seq, fed, len(fed))
+
+    def _new_session(self, owner: str, req: SessionRequest, busy: set[str]) -> Session:
+        if not self.free_seqs:
+            victim = next((s for s in self.sessions.values() if s.id not in busy), None)  # least recently used
+            if victim is None:
+                raise ProtocolError(503, "overloaded", "every session is busy; retry later")
+            self._drop(victim)
+            self.counters["evicted"] += 1
+        seq = self.free_seqs.pop()
+        self.runtime.seq_clear(seq)
+        session = Session(secrets.token_urlsafe(24), owner, seq, [], Sampler(req.sampling, req.seed), req.seed)
+        self.sessions[session.id] = session
+        self.counters["sessions_started"] += 1
+        return session
+
+    def _drop(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is not None:
+            self.runtime.seq_clear(session.seq)
+            self.free_seqs.append(session.seq)
+
+    def _close(self, job: _Job) -> None:
+        session = self._owned(job.session_id, job.owner)
+        if session is None:
+            job.future.set_exception(ProtocolError(404, "unknown_session", "no such session"))
+            return
+        self._drop(session)
+        job.future.set_result({"v": 1, "closed": True})
+
+    def _expire_idle(self) -> None:
+        now = time.monotonic()
+        for session in [s for s in self.sessions.values() if now - s.last_used > self.config.idle_timeout_s]:
+            self._drop(session)
+            self.counters["expired"] += 1
+
+    def _start_done(self, job: _Job, session: Session) -> SessionResponse:
+        return SessionResponse(session.id, session.revision, len(session.tokens), session.passes,
+                               self.limits.n_vocab, self.vocab_hash, self.config.max_draft, self.config.max_probs_k,
+                               self.config.max_context, time.perf_counter() - job.t_arrived)
+
+    def _verify_done(self, job: _Job, session: Session, logits: np.ndarray) -> VerifyResponse:
+        req: VerifyRequest = job.request
+        n_past = len(session.tokens)
+        committed = np.asarray(session.tokens, dtype=np.int32)
+        rows = session.sampler.rows(logits, committed, req.draft)
+        if session.sampler.params.greedy:
+            n, token = accept_greedy(req.draft, None, rows)
+        else:
+            q = None if req.probs is None else req.probs.dense(self.limits.n_vocab)
+            n, token = accept_sampling(req.draft, q, rows, np.random.default_rng([session.seed, n_past]))
+        self.runtime.seq_truncate(session.seq, n_past + n)  # KV: old last token plus the accepted drafts
+        session.tokens += req.draft[:n].tolist() + [int(token)]
+        session.revision += 1
+        self.counters["verified"] += 1
+        return VerifyResponse(session.revision, len(session.tokens), n, int(token), session.passes,
+                              time.perf_counter() - job.t_arrived)
+
+    def stats(self) -> dict:
+        return {**self.counters, "sessions": len(self.sessions), "max_sessions": self.runtime.n_seq,
+                "kv_cells_used": self.runtime.cells_used, "kv_cells": self.runtime.n_ctx}
+
+
+# --- HTTP ------------------------------------------------------------------------------------------
+
+class _RateLimiter:
+    """Token buckets by client key; the event loop is the only caller, so no lock."""
+
+    def __init__(self, rate: float, burst: float, max_clients: int = 10000):
+        self.rate, self.burst, self.max_clients = rate, burst, max_clients
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def allow(self, client: str) -> bool:
+        now = time.monotonic()
+        level, t = self.buckets.pop(client, (self.burst, now))
+        level = min(self.burst, level + (now - t) * self.rate)
+        ok = level >= 1.0
+        self.buckets[client] = (level - 1.0 if ok else level, now)
+        while len(self.buckets) > self.max_clients:
+            self.buckets.popitem(last=False)
+        return ok
+
+
+def create_app(core: VerifierCore):
+    """The FastAPI application: /v1/health, /v1/stats, /v1/sessions, /v1/sessions/{id}/verify, DELETE."""
+    app = FastAPI(title="edgespec verifier", docs_url=None, redoc_url=None, openapi_url=None)
+    keys = {key_id(k): k for k in core.config.api_keys}
+    limiter = _RateLimiter(core.config.rate_per_s, core.config.rate_burst)
+    strangers = _RateLimiter(20.0, 40.0)  # requests that fail authentication, by address
+
+    def reply(message: dict, status: int = 200) -> Response:
+        return Response(pack(message), status_code=status, media_type=CONTENT_TYPE)
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, exc: ProtocolError):
+        extra = {"retry_after_s": 1.0} if exc.status == 429 else {}
+        return reply(error_message(exc.code, exc.message, **extra), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return reply(error_message("http", str(exc.detail)), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return reply(error_message("malformed", "bad request"), 400)
+
+    def authenticate(request: Request) -> str:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        owner = None
+        if scheme.lower() == "bearer" and token:
+            candidate = key_id(token)
+            known = keys.get(candidate)
+            if known is not None and hmac.compare_digest(known.encode(), token.encode()):
+                owner = candidate
+        if owner is None:
+            address = request.client.host if request.client else "?"
+            if not strangers.allow(address):
+                raise ProtocolError(429, "rate_limited", "too many unauthenticated requests")
+            raise ProtocolError(401, "unauthorized", "missing or wrong API key (send Authorization: Bearer KEY)")
+        if not limiter.allow(owner):
+            raise ProtocolError(429, "rate_limited", "rate limit exceeded for this API key; slow down")
+        return owner
+
+    async def body(request: Request) -> dict:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in (CONTENT_TYPE, "application/x-msgpack"):
+            raise ProtocolError(415, "content_type", f"send {CONTENT_TYPE}")
+        limit = core.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise ProtocolError(413, "too_large", f"messages are limited to {limit} bytes")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise ProtocolError(413, "too_large", f"messages are limited to {limit} bytes")
+        return unpack(bytes(data), core.limits)
+
+    async def run(kind: str, owner: str, message, session_id: str | None = None):
+        return await asyncio.wrap_future(core.submit(kind, owner, message, session_id))
+
+    @app.get("/v1/health")
+    async def health():
+        return reply({"v": 1, "status": "ok"})
+
+    @app.get("/v1/stats")
+    async def stats(request: Request):
+        authenticate(request)
+        return reply({"v": 1, **core.stats()})
+
+    @app.post("/v1/sessions")
+    async def start(request: Request):
+        owner = authenticate(request)
+        message = SessionRequest.from_wire(await body(request), core.limits)
+        return reply((await run("start", owner, message)).to_wire())
+
+    @app.post("/v1/sessions/{session_id}/verify")
+    async def verify(session_id: str, request: Request):
+        owner = authenticate(request)
+        if len(session_id) > 64:
+            raise ProtocolError(404, "unknown_session", "no such session")
+        message = VerifyRequest.from_wire(await body(request), core.limits)
+        return reply((await run("verify", owner, message, session_id)).to_wire())
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close(session_id: str, request: Request):
+        owner = authenticate(request)
+        if len(session_id) > 64:
+            raise ProtocolError(404, "unknown_session", "no such session")
+        return reply(await run("close", owner, None, session_id))
+
+    return app
+
+
+def load_core(target: str, config: VerifierConfig, *, n_threads: int | None = None, n_gpu_layers: int | None = None,
+              flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
+              verbose: bool = False) -> VerifierCore:
+    from edgespec.hardware import resolve_gpu_layers
+    from edgespec.models import store
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    n_gpu_layers = resolve_gpu_layers(n_gpu_layers)  # None: all layers where a GPU build has a GPU
+
+    options = LlamaCppOptions(n_ctx=config.max_sessions * config.max_context, n_threads=n_threads,
+                              n_gpu_layers=n_gpu_layers, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+                              verbose=verbose)
+    runtime = LlamaCppMultiSeqRuntime(store.resolve(target), options, n_seq=config.max_sessions)
+    return VerifierCore(runtime, config)
+
+
+def serve(target: str, config: VerifierConfig, *, host: str = "127.0.0.1", port: int = 8765,
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None, **load_options) -> None:
+    """Load the target and serve until interrupted (uvicorn, one process: the model is in-process)."""
+    import sys
+
+    import uvicorn
+
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    core = load_core(target, config, **load_options)
+    scheme = "https" if ssl_certfile else "http"
+    print(f"edgespec verifier: {target} ({core.runtime.n_seq} sessions x {config.max_context} tokens) on "
+          f"{scheme}://{host}:{port}", file=sys.stderr, flush=True)
+    if not ssl_certfile and host not in ("127.0.0.1", "localhost", "::1"):
+        print("warning: serving without TLS on a non-loopback address; API keys travel in clear text "
+              "(pass --ssl-certfile/--ssl-keyfile)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_app(core), host=host, port=port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                    log_level="warning", access_log=False, timeout_keep_alive=30,
+                    h11_max_incomplete_event_size=16 * 1024)
+    finally:
+        core.stop()
+        core.runtime.close()
