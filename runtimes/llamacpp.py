@@ -14,7 +14,7 @@ import ctypes
 import os
 import re
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -135,8 +135,8 @@ class LlamaCppOptions:
             raise EdgespecError("n_ctx must be >= 0 and n_batch >= 1")
         if self.n_outputs_max < 0:
             raise EdgespecError("n_outputs_max must be >= 0 (0 = n_batch)")
-        if not 1 <= self.n_seq_max <= 64:
-            raise EdgespecError(f"n_seq_max must be between 1 and 64, got {self.n_seq_max}")
+        if not 1 <= self.n_seq_max <= 256:
+            raise EdgespecError(f"n_seq_max must be between 1 and 256, got {self.n_seq_max}")
 
 
 def _physical_cores() -> int:
@@ -270,8 +270,9 @@ class LlamaCppRuntime:
         cparams.n_batch = options.n_batch
         cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
         cparams.n_seq_max = options.n_seq_max
-        cparams.kv_unified = True  # tree branches share the prompt's cells instead of copying a stream
+        cparams.kv_unified = True  # sequences (tree branches, sessions) share one pool of cells
         cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
+        cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
         cparams.n_threads = n_threads
         cparams.n_threads_batch = options.n_threads_batch or n_threads
         cparams.type_k = KV_TYPES[options.type_k][0]
@@ -383,6 +384,8 @@ class LlamaCppRuntime:
         if self._n_past + n > self.n_ctx:
             raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
                                        f"{n} more asked); use a larger --ctx or a shorter prompt")
+        if not self._ctx:  # closed (a memory guard dropped this draft model): fail clearly, never in C
+            raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         rows_max = self.options.n_outputs_max
         if rows_max and n_logits > rows_max:
             raise EdgespecError(f"{n_logits} logits rows asked of a context sized for {rows_max} (the memory "
@@ -640,71 +643,9 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
-        self.path = Path(path)
-        self.options = options
-        self._model = None
-        self._ctx = None
-        self._batch = None
-        check_gguf_file(self.path)
-        _init_backend(options.verbose)
-        _Log.recent.clear()
-        _Log.buffers.clear()
-
-        mparams = ll.llama_model_default_params()
-        mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
-        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP if options.use_mmap else ll.LLAMA_LOAD_MODE_NONE
-        mparams.use_extra_bufts = options.extra_buffers
-        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
-        if not self._model:
-            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
-            raise ModelFileError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "
-                                 f"unsupported architecture{detail}; download it again or re-export it")
-        self._vocab_ptr = ll.llama_model_get_vocab(self._model)
-        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
-
-        n_threads = options.n_threads or _physical_cores()
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = options.n_ctx or self.n_ctx_train
-        cparams.n_batch = options.n_batch
-        cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
-        cparams.n_seq_max = n_seq
-        cparams.kv_unified = True
-        cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = options.n_threads_batch or n_threads
-        cparams.type_k = KV_TYPES[options.type_k][0]
-        cparams.type_v = KV_TYPES[options.type_v][0]
-        cparams.offload_kqv = options.offload_kqv
-        cparams.no_perf = True
-        quantized_v = options.type_v not in ("f32", "f16", "bf16")
-        if options.flash_attn is None:
-            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized_v else ll.LLAMA_FLASH_ATTN_TYPE_AUTO
-        else:
-            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
-                                       else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            self.close()
-            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
-            raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens and {n_seq} "
-                                f"sequences for {self.path}{detail}; try a smaller --ctx or fewer sessions")
-        self._mem = ll.llama_get_memory(self._ctx)
-        self.buffers = parse_buffer_sizes(_Log.buffers)  # what llama.cpp allocated, by buffer
-        self.n_ctx = int(ll.llama_n_ctx(self._ctx))
-        self.n_batch = int(ll.llama_n_batch(self._ctx))
-        self.n_threads = n_threads
-        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
-        self.vocab = self._read_vocab()
+        super().__init__(path, replace(options, n_seq_max=n_seq))
         self.n_seq = n_seq
-
-        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
-        self._batch_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
-        self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
-        self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
-        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
         self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]
-        self._max_logit_rows = 0
-        self.n_decode_calls = 0
 
     # The one-sequence API does not apply: each call must say which sequence it means.
     def _no_single_sequence(self, *args, **kwargs):
