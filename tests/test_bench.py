@@ -1,0 +1,43 @@
+"""The benchmark harness runs end to end and reports a number for every system (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_quick_smollm2(tmp_path, smollm2_path):
+    # Two short prompts and one thread keep it near a minute on 2 shared cores: prefill of the long
+    # grounded prompts dominates, and 2 llama.cpp threads on busy cores stall at every graph barrier.
+    from edgespec.bench import run as bench
+
+    code = bench.main(["--models", "smollm2", "--quick", "--repeats", "1", "--max-tokens", "8",
+                       "--prompts", "chat-hashmap,code-lru", "--threads", "1", "--out", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    systems = doc["models"]["smollm2"]["systems"]
+    expected = {"edgespec ar", "edgespec auto", "llama-cpp-python"}
+    expected |= {f"edgespec draft k={k}" for k in bench.DRAFT_KS}
+    expected |= {f"edgespec lookup k={k}" for k in bench.LOOKUP_KS}
+    expected |= {f"llama-cpp-python lookup N={n}" for n in bench.PEER_LOOKUP_NS}
+    assert set(systems) == expected
+    for name, system in systems.items():
+        overall = system["summary"]["overall"]
+        for key in ("median_tok_s", "median_ttft_s", "gb_s", "x_plain", "x_llama_cpp_python"):
+            assert overall[key] is not None and overall[key] > 0, (name, key, overall[key])
+        assert 0.0 <= overall["identical_fraction"] <= 1.0
+        for prompt in system["per_prompt"].values():
+            assert prompt["generated"][0] > 0
+        if system["mode"] == "draft":  # a same-model draft is accepted often
+            assert overall["acceptance_rate"] is not None and overall["acceptance_rate"] > 0
+    assert systems["edgespec ar"]["summary"]["overall"]["x_plain"] == pytest.approx(1.0)
+    assert systems["edgespec ar"]["summary"]["overall"]["identical_fraction"] == 1.0
+    assert doc["machine"]["cpu"] and doc["machine"]["llama_cpp_python"]
+    assert "t_last - t_first" in doc["definitions"]["timing"]
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown.startswith("# edgespec benchmark") and "Figures vs targets" in markdown
+    if importlib.util.find_spec("matplotlib"):  # the `bench` extra
+        assert (tmp_path / "tok_s_vs_k.png").stat().st_size > 0
