@@ -193,7 +193,11 @@ def test_apply_budget_loads_the_plan_and_reports_the_peak(smollm2_path, smollm2_
         out = engine.generate("Count from one to five.", GenerationConfig(max_tokens=16, temperature=0, mode="draft"))
     stats = out.stats.to_dict()
     assert stats["predicted_peak_bytes"] == result.predicted_peak_bytes
-    assert 0 < stats["peak_rss_bytes"] <= 3 << 30
+    # The peak is the process's high-water mark: in a long pytest run earlier tests (torch, the Qwen
+    # models) raise it, so the budget itself is checked in fresh processes (the grid above and the guard test).
+    import psutil
+
+    assert stats["peak_rss_bytes"] >= psutil.Process().memory_info().rss > 0
     assert max(int(k.split(":")[1]) for k in stats["chosen"]) <= 3  # the plan's draft length caps k
 
 
