@@ -23,7 +23,6 @@ from conftest import load_runtime
 from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
 from edgespec.cloud.protocol import compact_row
 from edgespec.engine import Engine, GenerationConfig
-from edgespec.sampling import SamplingParams, token_distribution
 from lossless import compare_greedy
 from test_lossless_greedy import PROMPTS
 from test_lossless_sampling import chi_square_pvalue
@@ -90,22 +89,7 @@ ALPHA = 0.001
 SAMPLING = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
 
 
-def exact_joint(runtime, prompt, n_tokens) -> dict[tuple[int, ...], float]:
-    params = SamplingParams(**SAMPLING)
-    joint = {}
-
-    def walk(prefix, mass):
-        if len(prefix) == n_tokens:
-            joint[prefix] = mass
-            return
-        runtime.truncate(0)
-        probs = token_distribution(runtime.decode(prompt + list(prefix), 1)[0], params)
-        for token in np.flatnonzero(probs):
-            walk(prefix + (int(token),), mass * float(probs[token]))
-
-    walk((), 1.0)
-    runtime.truncate(0)
-    return joint
+from test_lossless_sampling import exact_joint  # noqa: E402  (same SAMPLING settings)
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,13 @@ SAMPLING = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
 PROMPT = [295, 104, 101, 108, 108, 111, 32, 104, 101, 108, 108, 111]  # BOS "hello hello": lookup finds matches
 
 
-def exact_joint(runtime, prompt) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3 | prompt) under the target's processed distribution, by enumeration."""
+def exact_joint(runtime, prompt, n_tokens: int = N_TOKENS) -> dict[tuple[int, ...], float]:
+    """P(t1, ..., tn | prompt) under the target's processed distribution, by enumeration."""
     params = SamplingParams(**SAMPLING)
     joint = {}
 
     def walk(prefix: tuple[int, ...], mass: float) -> None:
-        if len(prefix) == N_TOKENS:
+        if len(prefix) == n_tokens:
             joint[prefix] = mass
             return
         runtime.truncate(0)
