@@ -271,7 +271,11 @@ class Engine:
         mode = resolve_mode(config.mode, "draft" in self.drafters)
         k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
         if mode == "auto":
-            branches = getattr(getattr(self.target, "options", None), "n_seq_max", 1)
+            options = getattr(self.target, "options", None)
+            branches = getattr(options, "n_seq_max", 1)
+            rows = getattr(options, "n_outputs_max", 0)  # a memory plan may size the context for fewer rows
+            if rows:
+                k = min(k, rows - 1)
             return mode, AdaptivePolicy(self.cost_profile(), self.drafters["lookup"], self.drafters.get("draft"),
                                         k_max=k, max_branches=branches)
         if mode == "ar":

@@ -80,6 +80,9 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     catalog models profile in well under 3 s here.
     """
     t_start = time.perf_counter()
+    rows = getattr(getattr(target, "options", None), "n_outputs_max", 0)
+    if rows:  # a memory plan sized the context for at most this many logits rows per pass
+        max_batch = min(max_batch, rows)
     rng = np.random.default_rng(0)
     n_vocab = target.vocab.n_vocab
     context = rng.integers(100, min(n_vocab, 30000), size=CONTEXT_TOKENS).astype(np.int32)
@@ -133,7 +136,8 @@ def profile_key(target: Runtime, draft: Runtime | None, device: str) -> dict:
     """Everything a measured cost depends on."""
     def runtime_key(rt: Runtime) -> dict:
         key = rt.compatibility_key() if hasattr(rt, "compatibility_key") else {"name": rt.name}
-        return {**key, "threads": getattr(rt, "n_threads", None), "n_batch": getattr(rt, "n_batch", None)}
+        return {**key, "threads": getattr(rt, "n_threads", None), "n_batch": getattr(rt, "n_batch", None),
+                "rows": getattr(getattr(rt, "options", None), "n_outputs_max", 0)}
     return {"version": PROFILE_VERSION, "device": device, "target": runtime_key(target),
             "draft": runtime_key(draft) if draft is not None else None}
 
