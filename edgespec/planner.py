@@ -5,7 +5,8 @@ returns the first that fits, with its predicted peak and a breakdown (see `edges
 
 1. the context asked for (without --ctx: 4096, then 2048, 1024, 512);
 2. the draft on (only once nothing with the draft fits: the draft off, and the same steps again);
-3. KV cache types f16, then q8_0, then q4_0 (flash attention on for a quantized V cache);
+3. KV cache types f16, then q8_0, then K q8_0 with V q4_0 (flash attention on for a quantized V cache;
+   a q4_0 K cache only when asked for with `kv_ladder=KV_LADDER_ALL`: it broke Qwen2.5-Coder-1.5B);
 4. on a GPU: every layer and its KV on the GPU, then the target's KV in host memory while the draft's
    stays on the GPU, then fewer target layers;
 5. the longest draft length first (k = 4 down to 1);
@@ -33,7 +34,10 @@ from edgespec.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettin
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
 
 CTX_LADDER = (4096, 2048, 1024, 512)
-KV_LADDER = ("f16", "q8_0", "q4_0")
+# (K, V) cache types, best first. K stops at q8_0: a q4_0 K cache turned Qwen2.5-Coder-1.5B's greedy output
+# into garbage on this build (0 of 24 tokens equal to f16's) while q4_0 V kept all 24 (bench/MEMORY_RESULTS.md).
+KV_LADDER = (("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"))
+KV_LADDER_ALL = KV_LADDER + (("q4_0", "q4_0"),)  # for models known to tolerate a q4_0 K cache
 BATCH_LADDER = (512, 256, 128)
 DEFAULT_MAX_DRAFT = 4
 MARGIN = 0.02
@@ -124,7 +128,7 @@ class Plan:
         if self.smallest_gpu_budget_bytes is not None:
             gpu = f" and --gpu-budget {format_bytes(self.smallest_gpu_budget_bytes)}"
         s = self.settings
-        how = f"{s.n_ctx}-token context, {s.type_k} KV" + (", no draft" if self.draft and not s.draft else "")
+        how = f"{s.n_ctx}-token context, KV {s.type_k}/{s.type_v}" + (", no draft" if self.draft and not s.draft else "")
         return (f"nothing fits a budget of {format_bytes(self.budget_bytes)}: {what} needs {need}{gpu} even with "
                 f"the smallest settings ({how}); raise --budget or use a smaller --ctx or model")
 
@@ -192,7 +196,8 @@ def _weight_options(facts: list[ModelFacts], cal: Calibration) -> list[tuple[boo
 
 
 def candidates(target: ModelFacts, draft: ModelFacts | None, *, contexts: tuple[int, ...], max_draft: int,
-               hw: Hardware, cal: Calibration) -> Iterator[PlanSettings]:
+               hw: Hardware, cal: Calibration,
+               kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER) -> Iterator[PlanSettings]:
     """Every setting the planner may choose, most preferred first."""
     for n_ctx in contexts:
         for draft_on in ((True, False) if draft is not None else (False,)):
@@ -202,12 +207,12 @@ def candidates(target: ModelFacts, draft: ModelFacts | None, *, contexts: tuple[
             # while the draft (and its KV) stays on the GPU, before the draft leaves the GPU.
             placements = sorted(((t, d) for t in _gpu_options(target, hw) for d in d_gpu_opts),
                                 key=lambda td: (_offloaded_rank(td[0][0], target), td[1][0] == 0, not td[0][1]))
-            for kv in KV_LADDER:
+            for type_k, type_v in kv_ladder:
                 for (t_gpu, t_kqv), (d_gpu, d_kqv) in placements:
                     # without the draft model, k is what prompt lookup may draft (rows cost little)
                     for k in (range(max_draft, 0, -1) if draft_on else (max_draft,)):
                         for use_mmap, n_batch in _weight_options(models, cal):
-                            yield PlanSettings(n_ctx=n_ctx, type_k=kv, type_v=kv, n_batch=n_batch,
+                            yield PlanSettings(n_ctx=n_ctx, type_k=type_k, type_v=type_v, n_batch=n_batch,
                                                use_mmap=use_mmap, target_gpu_layers=t_gpu,
                                                target_offload_kqv=t_kqv, draft=draft_on,
                                                draft_gpu_layers=d_gpu, draft_offload_kqv=d_kqv, max_draft=k)
@@ -223,7 +228,8 @@ def setup_for(settings: PlanSettings, target: ModelFacts, draft: ModelFacts | No
 def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, budget: int,
          gpu_budget: int | None = None, ctx: int | None = None, max_draft: int | None = None,
          sampling: bool = True, hardware: Hardware | None = None, calibration: Calibration | None = None,
-         base_bytes: int | None = None, reserve_bytes: int = 0) -> Plan:
+         base_bytes: int | None = None, reserve_bytes: int = 0,
+         kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER) -> Plan:
     """Choose settings for target (+ draft) that fit `budget` bytes (see the module docstring).
 
     target/draft: model files (resolve catalog names with `edgespec.models.store.resolve` first).
@@ -247,7 +253,7 @@ def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, b
     cheapest: tuple[int, PlanSettings, Prediction] | None = None
     cheapest_gpu: int | None = None
     for settings in candidates(t_facts, d_facts if k_max > 0 else None, contexts=contexts, max_draft=k_max,
-                               hw=hw, cal=cal):
+                               hw=hw, cal=cal, kv_ladder=kv_ladder):
         pred = _reserve(predict(setup_for(settings, t_facts, d_facts, hw, sampling), cal, base_bytes=base_bytes),
                         reserve_bytes)
         if _fits(pred, budget, gpu_budget, hw):
@@ -263,8 +269,8 @@ def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, b
             need_gpu = pred.device_peak_bytes + _margin(pred.device_peak_bytes)
             cheapest_gpu = need_gpu if cheapest_gpu is None else min(cheapest_gpu, need_gpu)
     if cheapest is None:  # nothing within the GPU budget: report the least host memory regardless
-        settings = PlanSettings(n_ctx=contexts[-1], type_k="q4_0", type_v="q4_0", n_batch=BATCH_LADDER[-1],
-                                use_mmap=False)
+        settings = PlanSettings(n_ctx=contexts[-1], type_k=kv_ladder[-1][0], type_v=kv_ladder[-1][1],
+                                n_batch=BATCH_LADDER[-1], use_mmap=False)
         pred = _reserve(predict(setup_for(settings, t_facts, None, hw, sampling), cal, base_bytes=base_bytes),
                         reserve_bytes)
         cheapest = (pred.peak_bytes + _margin(pred.peak_bytes), settings, pred)
@@ -290,8 +296,9 @@ def _notes(s: PlanSettings, draft: ModelFacts | None, k_max: int, contexts: tupl
         notes.append("draft dropped to fit")
     elif s.draft and s.max_draft < k_max:
         notes.append(f"draft length reduced to {s.max_draft} to fit")
-    if s.type_k != "f16":
-        notes.append(f"KV cache quantized to {s.type_k} to fit (flash attention on)")
+    if (s.type_k, s.type_v) != ("f16", "f16"):
+        kv = s.type_k if s.type_k == s.type_v else f"K {s.type_k} / V {s.type_v}"
+        notes.append(f"KV cache quantized to {kv} to fit (flash attention on)")
     if not s.use_mmap:
         notes.append("weights read into memory instead of mapped (repacked weights held once)")
     if s.n_batch != BATCH_LADDER[0]:
