@@ -286,12 +286,7 @@ class Engine:
               mode: str) -> SpeculativeState:
         """Check the budget, then prefill target and drafters (all of it counts as time to first token)."""
         n_prompt = len(prompt_ids)
-        if n_prompt == 0:
-            raise EdgespecError("the prompt has no tokens; give some text")
-        if n_prompt + config.max_tokens > self.target.n_ctx:
-            raise ContextOverflowError(
-                f"prompt ({n_prompt} tokens) plus --max-tokens ({config.max_tokens}) exceeds the context of "
-                f"{self.target.n_ctx} tokens; use a shorter prompt, fewer --max-tokens or a larger --ctx")
+        self.check_fits(n_prompt, config)
         seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
         context = np.zeros(n_prompt + config.max_tokens, dtype=np.int32)
         context[:n_prompt] = prompt_ids
@@ -386,7 +381,17 @@ class Engine:
             state.stats.ttft_s = time.perf_counter() - state.t_start
         return new
 
+    def check_fits(self, n_prompt: int, config: GenerationConfig) -> None:
+        """A prompt plus its budget must fit the context: said before anything runs."""
+        if n_prompt == 0:
+            raise EdgespecError("the prompt has no tokens; give some text")
+        if n_prompt + config.max_tokens > self.target.n_ctx:
+            raise ContextOverflowError(
+                f"prompt ({n_prompt} tokens) plus --max-tokens ({config.max_tokens}) exceeds the context of "
+                f"{self.target.n_ctx} tokens; use a shorter prompt, fewer --max-tokens or a larger --ctx")
+
     def begin(self, prompt_ids: Sequence[int], config: GenerationConfig) -> tuple[SpeculativeState, Policy]:
+        self.check_fits(len(prompt_ids), config)  # before auto mode's first profile measurement
         mode, policy = self.policy_for(config)
         return self.start(prompt_ids, config, policy, mode), policy
 
