@@ -160,6 +160,12 @@ def machine() -> str:
             f"{load[0]:.1f} (shared machine)")
 
 
+def _settings_label(s: dict) -> str:
+    kv = f"KV {s['type_k']}" if s["type_k"] == s["type_v"] else f"KV K {s['type_k']} / V {s['type_v']}"
+    return (f"{kv}, {'mmap' if s['use_mmap'] else 'read'}, ubatch {s['n_batch']}, "
+            + (f"draft k={s['max_draft']}" if s["draft"] else "no draft"))
+
+
 def render(grid_rows, budget_rows, cal, command: str, started: str, host: str, kv_rows=()) -> str:
     out = ["# Memory: predicted vs measured peaks, and throughput across budgets", "",
            f"Command: `{command}`  ", f"Run: {started}  ", f"Machine: {host}", "",
@@ -184,25 +190,25 @@ def render(grid_rows, budget_rows, cal, command: str, started: str, host: str, k
         out += ["", "## Throughput kept against memory saved (Qwen2.5-Coder 1.5B + 0.5B draft, context 4096, greedy)",
                 "", "Each budget is planned by `edgespec.planner.plan`; the chosen setup's peak is measured in a "
                 "fresh process (600-token prompt, so full compute buffers). Tokens/s: decode only, greedy, a "
-                "200-token code prompt, one thread, median over the repeats, every setup timed in one process in "
+                "200-token code prompt (a repeated snippet: the draft is almost always right), one thread, median over the repeats, every setup timed in one process in "
                 "turn per repeat (interleaved, so a busy machine slows them alike). Saved and kept are relative to the "
                 "unconstrained plan.", "",
-                "| budget | chosen settings | predicted MiB | measured MiB | tok/s | memory saved | throughput kept |",
-                "|---|---|---:|---:|---:|---:|---:|"]
+                "| budget | chosen settings | predicted MiB | measured MiB | tok/s | draft acceptance | memory saved "
+                "| throughput kept |",
+                "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in budget_rows:
             label = "unconstrained" if r["budget_mib"] is None else f"{r['budget_mib']} MiB"
             if not r.get("fits"):
-                out.append(f"| {label} | nothing fits (smallest: {r['smallest_budget_mib']} MiB) | | | | | |")
+                out.append(f"| {label} | nothing fits (smallest: {r['smallest_budget_mib']} MiB) | | | | | | |")
                 continue
-            s = r["settings"]
-            what = (f"KV {s['type_k']}, {'mmap' if s['use_mmap'] else 'read'}, ubatch {s['n_batch']}, "
-                    + (f"draft k={s['max_draft']}" if s["draft"] else "no draft"))
+            what = _settings_label(r["settings"])
             saved = kept = ""
             if base:
                 saved = f"{100 * (1 - r['measured'] / base['measured']):.1f} %"
                 kept = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+            acceptance = f"{r['acceptance']:.2f}" if r["settings"]["draft"] else "-"
             out.append(f"| {label} | {what} | {r['predicted'] / MiB:.0f} | {r['measured'] / MiB:.0f} | "
-                       f"{r['tokens_per_s']:.2f} | {saved} | {kept} |")
+                       f"{r['tokens_per_s']:.2f} | {acceptance} | {saved} | {kept} |")
         fitted = [r for r in budget_rows if r.get("fits")]
         if base and fitted:
             free = [r for r in fitted if r["tokens_per_s"] >= 0.97 * base["tokens_per_s"]]
@@ -211,10 +217,10 @@ def render(grid_rows, budget_rows, cal, command: str, started: str, host: str, k
             lines = []
             if most is not None:
                 lines.append(f"Within 3 % of the unconstrained throughput the plan saves up to "
-                             f"{100 * (1 - most['measured'] / base['measured']):.0f} % of the memory "
-                             f"({most['budget_mib'] or 'unconstrained'} MiB row): reading the weights instead of "
-                             "mapping them stops the repacked tensors from being held twice, and a quantized KV cache "
-                             "and a smaller ubatch cost no decode speed.")
+                             f"{100 * (1 - most['measured'] / base['measured']):.0f} % of the memory (the "
+                             f"{most['budget_mib'] or 'unconstrained'} MiB row: {_settings_label(most['settings'])}); "
+                             "most of it comes from reading the weights instead of mapping them, which stops the "
+                             "repacked tensors from being held twice.")
             if no_draft:
                 kept = [r["tokens_per_s"] / base["tokens_per_s"] for r in no_draft]
                 lines.append(f"Dropping the draft saves {100 * (1 - no_draft[0]['measured'] / base['measured']):.0f} % "
@@ -247,7 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-budgets", action="store_true")
     ap.add_argument("--skip-kv-quality", action="store_true")
     ap.add_argument("--grid-from", help="reuse the grid rows of an earlier run's JSON instead of measuring them")
+    ap.add_argument("--render-only", help="rewrite the markdown from an earlier run's JSON, measuring nothing")
     args = ap.parse_args(argv)
+    if args.render_only:
+        from edgespec.memory import Calibration
+
+        data = json.loads(Path(args.render_only).read_text())
+        Path(args.out).write_text(render(data["grid"], data["budgets"], Calibration.from_dict(data["calibration"]),
+                                         data.get("command", "?"), data["started"], data["machine"],
+                                         data.get("kv_quality", ())))
+        return 0
     started = _dt.datetime.now().isoformat(timespec="seconds")
     host = machine()
     cal = calibrate()
@@ -264,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(grid_rows, budget_rows, cal, command.strip(), started, host, kv_rows))
     out.with_suffix(".json").write_text(json.dumps({"grid": grid_rows, "budgets": budget_rows, "kv_quality": kv_rows,
+                                                    "command": command.strip(),
                                                     "calibration": cal.to_dict(), "machine": host,
                                                     "started": started}, indent=1, default=str))
     print(f"wrote {out} and {out.with_suffix('.json')}", file=sys.stderr)
