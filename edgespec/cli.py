@@ -74,8 +74,6 @@ def generate(
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU, e.g. 6G [default: the GPU's memory]"),
 ) -> None:
     """Generate text for one prompt, speculatively. Text goes to stdout, a stats line to stderr."""
-    import json
-
     from edgespec.engine import GenerationConfig
 
     if prompt == "-":
@@ -102,17 +100,23 @@ def generate(
                              flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                              verbose=verbose)
     with engine:
-        stream = engine.stream(prompt if raw else messages, config)
-        if as_json:
-            for _ in stream:
-                pass
-            typer.echo(json.dumps(stream.result.to_dict()))
-            return
-        for piece in stream:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        typer.echo(stream.result.stats.summary(), err=True)
+        _print_stream(engine.stream(prompt if raw else messages, config), as_json)
+
+
+def _print_stream(stream, as_json: bool) -> None:
+    """`--json`: one JSON object on stdout; otherwise the text as it streams, then a stats line on stderr."""
+    import json
+
+    if as_json:
+        for _ in stream:
+            pass
+        typer.echo(json.dumps(stream.result.to_dict()))
+        return
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    typer.echo(stream.result.stats.summary(), err=True)
 
 
 @app.command()
@@ -427,7 +431,6 @@ def verifier(
 def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,
                             as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool) -> None:
     """`generate --verifier`: the local model drafts, the verifier verifies; offline, the local model goes on."""
-    import json
 
     from edgespec.cloud.client import CloudEdgeClient, CloudOptions
 
@@ -435,17 +438,7 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
     with CloudEdgeClient.load(draft or "smollm2-135m", options, n_ctx=ctx, n_threads=threads,
                               n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
-        stream = client.stream(prompt, config)
-        if as_json:
-            for _ in stream:
-                pass
-            typer.echo(json.dumps(stream.result.to_dict()))
-            return
-        for piece in stream:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        typer.echo(stream.result.stats.summary(), err=True)
+        _print_stream(client.stream(prompt, config), as_json)
 
 
 # --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML bundle out ------------------
