@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     results["target_plain_on_server_core"] = plain_tok_s(target, prompt_ids, args.max_tokens, server_core)
 
     port = free_port()
-    server = subprocess.Popen(pinned(server_core, [sys.executable, "-m", "edgespec.cli", "verifier", "--target",
+    server = subprocess.Popen(pinned(server_core, [sys.executable, "-m", "edgespec.cli", "serve", "--verifier", "--target",
                                                    str(target), "--port", str(port), "--api-key", KEY,
                                                    "--threads", "1", "--max-sessions", "4", "--session-ctx", "1024",
                                                    "--rate", "100000"]),

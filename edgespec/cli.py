@@ -31,15 +31,38 @@ TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .g
 
 
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
-                gpu_layers: int, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool):
-    """Load the engine for CLI commands; `--mode draft` without `--draft` takes the catalog's pair."""
+                gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
+                budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
+                sampling: bool = True, reserve_bytes: int = 0):
+    """Load the engine for CLI commands; `--mode draft` without `--draft` takes the catalog's pair.
+
+    With `--budget`, the memory plan (edgespec.planner) chooses the GPU layers, KV types, context and
+    draft, so giving those flags too is an error; `reserve_bytes` is what the command holds besides the
+    engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
     from edgespec.models import catalog
 
     if draft is None and mode == "draft" and target in catalog.names():
         draft = catalog.get(target).draft
-    return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
-                       flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
+    if budget is None and gpu_budget is None:
+        return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
+                           flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
+    from edgespec.planner import apply_budget
+
+    given = [flag for flag, set_ in (("--gpu-layers", gpu_layers is not None), ("--flash-attn", flash_attn is not None),
+                                     ("--cache-type-k", cache_type_k != "f16"),
+                                     ("--cache-type-v", cache_type_v != "f16")) if set_]
+    if given:
+        raise EdgespecError(f"--budget chooses {', '.join(given)} itself; drop {'them' if len(given) > 1 else 'it'} "
+                            "or drop --budget")
+    if budget is None:
+        raise EdgespecError("--gpu-budget needs --budget (the host RAM budget) too")
+    engine, plan = apply_budget(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx or None,
+                                max_draft=draft_max, sampling=sampling, n_threads=threads, verbose=verbose,
+                                require_draft=mode == "draft", reserve_bytes=reserve_bytes)
+    for note in plan.notes:
+        typer.echo(f"budget: {note}", err=True)
+    return engine
 
 
 @app.command()
@@ -67,7 +90,7 @@ def generate(
     cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
-    verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec verifier`: draft here (--draft), verify there"),
+    verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec serve --verifier`: draft here (--draft), verify there"),
     api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY", help="bearer token for --verifier"),
     verifier_ca: str = typer.Option(None, "--verifier-ca", help="CA bundle to trust for an https --verifier (self-signed)"),
     budget: str = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it"),
@@ -90,15 +113,9 @@ def generate(
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
                                 as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose)
         return
-    if budget is not None or gpu_budget is not None:
-        engine = _budgeted_engine(target, draft, mode, budget, gpu_budget, ctx=ctx, threads=threads, config=config,
-                                  explicit={"--gpu-layers": gpu_layers is not None, "--flash-attn": flash_attn is not None,
-                                            "--cache-type-k": cache_type_k != "f16",
-                                            "--cache-type-v": cache_type_v != "f16"}, verbose=verbose)
-    else:
-        engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                             verbose=verbose)
+    engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                         cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0)
     with engine:
         _print_stream(engine.stream(prompt if raw else messages, config), as_json)
 
@@ -268,28 +285,6 @@ def bench(
         raise typer.Exit(code)
 
 
-def _budgeted_engine(target, draft, mode: str, budget: str | None, gpu_budget: str | None, *, ctx: int,
-                     threads: int | None, config, explicit: dict[str, bool], verbose: bool):
-    """`--budget`: plan the settings for this process and load exactly those (see edgespec.planner)."""
-    from edgespec.models import catalog
-    from edgespec.planner import apply_budget
-
-    given = [flag for flag, set_ in explicit.items() if set_]
-    if given:
-        raise EdgespecError(f"--budget chooses {', '.join(given)} itself; drop {'them' if len(given) > 1 else 'it'} "
-                            "or drop --budget")
-    if budget is None:
-        raise EdgespecError("--gpu-budget needs --budget (the host RAM budget) too")
-    if draft is None and mode == "draft" and target in catalog.names():
-        draft = catalog.get(target).draft
-    engine, plan = apply_budget(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx or None,
-                                max_draft=config.draft_max, sampling=config.temperature > 0, n_threads=threads,
-                                verbose=verbose, require_draft=mode == "draft")
-    for note in plan.notes:
-        typer.echo(f"budget: {note}", err=True)
-    return engine
-
-
 # --- edgespec plan: what fits a memory budget ---------------------------------------------------
 
 
@@ -341,6 +336,8 @@ def chat(
     flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
     cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
+    budget: str = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it"),
+    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
 ) -> None:
     """Chat in the terminal; each turn prefills only what is new. /help lists the commands."""
@@ -350,14 +347,16 @@ def chat(
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
                               mode=mode, draft_max=draft_max)
-    with load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
-                     cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose) as engine:
+    engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                         cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0)
+    with engine:
         code = run_chat(engine, config, system=system)
     if code:
         raise typer.Exit(code)
 
 
-# --- edgespec serve: an OpenAI-compatible HTTP server ------------------------------------------
+# --- edgespec serve: the OpenAI API, or (--verifier) the cloud side of cloud-edge speculation --------
 
 
 @app.command()
@@ -366,9 +365,14 @@ def serve(
     draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary"),
     mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup), for every request"),
     draft_max: int = typer.Option(None, help="tokens drafted per round"),
+    as_verifier: bool = typer.Option(False, "--verifier", help="verify drafts sent by `edgespec generate --verifier URL` "
+                                     "instead of serving the OpenAI API (protocol: docs/cloud_protocol.md)"),
     host: str = typer.Option("127.0.0.1", help="address to bind; anything but loopback needs --api-key"),
-    port: int = typer.Option(8000, help="TCP port"),
-    api_key: str = typer.Option(None, envvar="EDGESPEC_API_KEY", help="require 'Authorization: Bearer KEY' [env: EDGESPEC_API_KEY]"),
+    port: int = typer.Option(None, help="TCP port [default: 8000, or 8765 with --verifier]"),
+    api_key: list[str] = typer.Option([], "--api-key", envvar="EDGESPEC_API_KEY",
+                                      help="require 'Authorization: Bearer KEY' (repeatable) [env: EDGESPEC_API_KEY]"),
+    ssl_certfile: str = typer.Option(None, "--ssl-certfile", help="serve HTTPS with this certificate (PEM)"),
+    ssl_keyfile: str = typer.Option(None, "--ssl-keyfile", help="the certificate's private key (PEM)"),
     model_name: str = typer.Option(None, help="model id clients send [default: the catalog name or file name]"),
     max_queue: int = typer.Option(8, help="requests that may wait behind the running one; more get 429"),
     timeout: float = typer.Option(300.0, help="seconds a request may take, waiting in the queue included"),
@@ -376,56 +380,58 @@ def serve(
     max_request_kb: int = typer.Option(1024, help="largest request body in KiB; larger get 413"),
     prefix_cache_mb: float = typer.Option(256.0, help="memory for the KV of earlier prefixes, LRU-evicted (0 = off)"),
     no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="prefill every request from scratch (for measurements)"),
+    max_sessions: int = typer.Option(16, help="--verifier: sessions held at once (one llama.cpp sequence each; LRU eviction)"),
+    session_ctx: int = typer.Option(2048, help="--verifier: tokens per session (the KV pool holds sessions x this)"),
+    idle_timeout: float = typer.Option(600.0, help="--verifier: seconds before an idle session is dropped"),
+    rate: float = typer.Option(1000.0, help="--verifier: requests per second allowed per API key"),
+    no_batch: bool = typer.Option(False, "--no-batch", help="--verifier: verify one session per llama_decode call"),
     ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
     threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
     gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
     flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
     cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
+    budget: str = typer.Option(None, "--budget", help="memory budget, e.g. 2G: the plan fits the models and the prefix cache in it"),
+    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
 ) -> None:
-    """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding."""
+    """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
+    or with --verifier the target of cloud-edge speculation."""
     from edgespec.server import ServerConfig, check_bind, model_id, run_server
 
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    port = port if port is not None else (8765 if as_verifier else 8000)
     check_bind(host, port, api_key)  # before minutes of model loading
-    with load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
-                     cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose) as engine:
+    if as_verifier:
+        if draft or budget or gpu_budget:
+            raise EdgespecError(f"serve --verifier takes no {'--draft' if draft else '--budget'} (the edge drafts; the "
+                                "verifier's memory is --max-sessions x --session-ctx)")
+        _serve_verifier(target, api_key, host, port, ssl_certfile, ssl_keyfile, max_sessions=max_sessions,
+                        session_ctx=session_ctx, idle_timeout=idle_timeout, rate=rate, batch=not no_batch,
+                        threads=threads, gpu_layers=gpu_layers, verbose=verbose)
+        return
+    prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
+    engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                         cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes)
+    with engine:
         config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
-                              api_key=api_key, max_queue=max_queue, timeout_s=timeout,
+                              api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
                               max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
-                              prefix_cache_bytes=int(prefix_cache_mb * 2**20), reuse_prefix=not no_prefix_reuse)
-        run_server(engine, config, host=host, port=port, verbose=verbose)
+                              prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
+        run_server(engine, config, host=host, port=port, verbose=verbose, ssl_certfile=ssl_certfile,
+                   ssl_keyfile=ssl_keyfile)
 
 
-# --- edgespec verifier: the cloud side of cloud-edge speculation (joins `serve --verifier` at merge) ---
+def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, max_sessions, session_ctx,
+                    idle_timeout, rate, batch, threads, gpu_layers, verbose) -> None:
+    from edgespec.cloud.verifier import VerifierConfig, serve as serve_verifier
 
-
-@app.command()
-def verifier(
-    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    port: int = typer.Option(8765, help="port to listen on"),
-    api_key: list[str] = typer.Option([], "--api-key", envvar="EDGESPEC_API_KEY",
-                                      help="bearer token clients must send (repeatable; at least 8 characters)"),
-    ssl_certfile: str = typer.Option(None, "--ssl-certfile", help="TLS certificate (PEM)"),
-    ssl_keyfile: str = typer.Option(None, "--ssl-keyfile", help="TLS private key (PEM)"),
-    max_sessions: int = typer.Option(16, help="sessions held at once (one llama.cpp sequence each; LRU eviction)"),
-    session_ctx: int = typer.Option(2048, help="tokens per session (the KV pool holds sessions x this)"),
-    idle_timeout: float = typer.Option(600.0, help="seconds before an idle session is dropped"),
-    rate: float = typer.Option(1000.0, help="requests per second allowed per API key"),
-    no_batch: bool = typer.Option(False, "--no-batch", help="verify one session per llama_decode call"),
-    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
-    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
-) -> None:
-    """Serve a target model that verifies drafts sent by `edgespec generate --verifier URL` (protocol:
-    docs/cloud_protocol.md)."""
-    from edgespec.cloud.verifier import VerifierConfig, serve
-
-    config = VerifierConfig(api_keys=tuple(api_key), max_sessions=max_sessions, max_context=session_ctx,
-                            idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=not no_batch)
-    serve(target or "smollm2-135m", config, host=host, port=port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
-          n_threads=threads, n_gpu_layers=gpu_layers, verbose=verbose)
+    config = VerifierConfig(api_keys=tuple(api_keys), max_sessions=max_sessions, max_context=session_ctx,
+                            idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch)
+    serve_verifier(target or "smollm2-135m", config, host=host, port=port, ssl_certfile=ssl_certfile,
+                   ssl_keyfile=ssl_keyfile, n_threads=threads, n_gpu_layers=gpu_layers, verbose=verbose)
 
 
 def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,

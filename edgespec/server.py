@@ -25,7 +25,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,7 +43,7 @@ class ServerConfig:
     model_id: str
     mode: str = "auto"
     draft_max: int | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()     # any of these as 'Authorization: Bearer KEY'; none = no auth
     max_queue: int = 8                  # requests waiting behind the running one
     timeout_s: float = 300.0            # per request, queueing included
     max_tokens_limit: int = 4096
@@ -78,9 +78,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, port: int, api_key: str | None) -> None:
+def check_bind(host: str, port: int, api_keys: Sequence[str]) -> None:
     """Refuse an exposed server without a key, and a port already taken, before loading models."""
-    if not is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_keys:
         raise EdgespecError(f"binding to {host} exposes the server to the network; give --api-key KEY "
                             "(or set EDGESPEC_API_KEY), or bind to 127.0.0.1")
     if not 0 < port < 65536:
@@ -384,11 +384,12 @@ def create_app(engine: Engine, config: ServerConfig):
                             status_code=500)
 
     def authorize(request: Request) -> None:
-        if not config.api_key:
+        if not config.api_keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
+        sent = key.strip().encode()
+        if scheme.lower() != "bearer" or not any(secrets.compare_digest(sent, k.encode()) for k in config.api_keys):
             raise ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
                            "authentication_error", code="invalid_api_key")
 
@@ -528,16 +529,18 @@ def _event(data: dict) -> str:
 
 
 def run_server(engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
-               verbose: bool = False) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM)."""
+               verbose: bool = False, ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM); HTTPS when given a certificate and its key."""
     import uvicorn
 
     app = create_app(engine, config)
     service = app.state.service
     draft = f", draft {engine.draft_runtime.path.name}" if engine.draft_runtime else ""
     shown = f"[{host}]" if ":" in host else host
-    print(f"edgespec serve: http://{shown}:{port}/v1 serving {config.model_id!r} (mode {service.mode}{draft}, "
+    scheme = "https" if ssl_certfile else "http"
+    print(f"edgespec serve: {scheme}://{shown}:{port}/v1 serving {config.model_id!r} (mode {service.mode}{draft}, "
           f"context {engine.target.n_ctx}, queue {config.max_queue}, "
-          f"{'API key required' if config.api_key else 'no API key'})", file=sys.stderr, flush=True)
+          f"{'API key required' if config.api_keys else 'no API key'})", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, host=host.strip("[]"), port=port, log_level="info" if verbose else "warning",
-                                  access_log=verbose, timeout_graceful_shutdown=5)).run()
+                                  access_log=verbose, timeout_graceful_shutdown=5,
+                                  ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)).run()

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgespec.memory import format_bytes
+
 
 @dataclass
 class GenerationStats:
@@ -103,4 +105,7 @@ class GenerationStats:
         if self.drafted:
             line += (f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
                      f"{self.mean_accepted_length:.2f} tokens/pass")
+        if self.predicted_peak_bytes and self.peak_rss_bytes:  # under --budget
+            line += (f", peak {format_bytes(self.peak_rss_bytes)} "
+                     f"(plan {format_bytes(self.predicted_peak_bytes)})")
         return line

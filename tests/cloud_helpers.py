@@ -1,4 +1,4 @@
-"""A real `edgespec verifier` process on 127.0.0.1 for the cloud tests: start, kill, restart."""
+"""A real `edgespec serve --verifier` process on 127.0.0.1 for the cloud tests: start, kill, restart."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class VerifierProcess:
-    """`python -m edgespec.cli verifier ...` as a subprocess; `url` once it answers /v1/health."""
+    """`python -m edgespec.cli serve --verifier ...` as a subprocess; `url` once it answers /v1/health."""
 
     def __init__(self, target: Path | str, *, port: int | None = None, keys=(API_KEY, OTHER_KEY),
                  max_sessions: int = 10, session_ctx: int = 512, extra: tuple[str, ...] = (), threads: int = 1,
@@ -44,7 +44,7 @@ class VerifierProcess:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "VerifierProcess":
-        cmd = [sys.executable, "-m", "edgespec.cli", "verifier", "--target", self.target, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--verifier", "--target", self.target, "--port", str(self.port),
                *[a for k in self.keys for a in ("--api-key", k)], *self.args]
         if self.tls:
             cmd += ["--ssl-certfile", self.tls[0], "--ssl-keyfile", self.tls[1]]

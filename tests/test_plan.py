@@ -282,6 +282,52 @@ def test_generate_with_a_budget_reports_predicted_and_measured_peaks(smollm2_pat
     assert proc.returncode == 2 and "--budget chooses --cache-type-k" in proc.stderr
 
 
+def _parse_size(text: str) -> int:
+    from edgespec.memory import parse_size
+
+    return parse_size(text.replace(" ", "").replace("iB", ""))
+
+
+def test_chat_with_a_budget_shows_the_measured_peak_against_the_plan(smollm2_path, cal):
+    import pexpect
+    from test_chat_tty import spawn_chat
+
+    child = spawn_chat("--target", smollm2_path, "--budget", "1G", "--ctx", 1024, "--temperature", 0, "-n", 8,
+                       "--mode", "ar", "--threads", 2)
+    try:
+        child.sendline("Say hello.")
+        child.expect(r"peak ([\d.]+ [KMG]iB) \(plan ([\d.]+ [KMG]iB)\)")
+        peak, planned = (_parse_size(child.match.group(i)) for i in (1, 2))
+        assert 0 < peak <= 1 << 30 and 0 < planned <= 1 << 30
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    proc = edgespec("chat", "--target", smollm2_path, "--budget", "64M")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: nothing fits a budget of 64.0 MiB")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_serve_with_a_budget_reserves_the_prefix_cache_and_reports_peaks(smollm2_path, cal, tmp_path):
+    import httpx
+    from test_server import free_port, running_server
+
+    log = tmp_path / "serve.log"
+    with running_server(log, "--target", smollm2_path, "--budget", "1G", "--ctx", 1024,
+                        "--prefix-cache-mb", 64) as url:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        r = httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={"model": model, "prompt": "Say hello.", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        ext = r.json()["edgespec"]
+        assert 0 < ext["predicted_peak_bytes"] <= 1 << 30 and 0 < ext["peak_rss_bytes"] <= 1 << 30
+    # 1 GiB less a 960 MiB prefix cache leaves too little for the model: the reservation counts.
+    proc = edgespec("serve", "--target", smollm2_path, "--budget", "1G", "--prefix-cache-mb", 960,
+                    "--port", free_port())
+    assert proc.returncode == 2 and proc.stderr.startswith("error: nothing fits"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 # --- persistence with planned settings ---------------------------------------------------------------
 
 def test_saved_session_with_quantized_kv_and_a_draft_continues_identically(smollm2_path, smollm2_draft, tmp_path):

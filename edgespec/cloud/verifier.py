@@ -445,7 +445,7 @@ def serve(target: str, config: VerifierConfig, *, host: str = "127.0.0.1", port:
         raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
     core = load_core(target, config, **load_options)
     scheme = "https" if ssl_certfile else "http"
-    print(f"edgespec verifier: {target} ({core.runtime.n_seq} sessions x {config.max_context} tokens) on "
+    print(f"edgespec serve --verifier: {target} ({core.runtime.n_seq} sessions x {config.max_context} tokens) on "
           f"{scheme}://{host}:{port}", file=sys.stderr, flush=True)
     if not ssl_certfile and host not in ("127.0.0.1", "localhost", "::1"):
         print("warning: serving without TLS on a non-loopback address; API keys travel in clear text "
