@@ -455,15 +455,20 @@ class LlamaCppRuntime:
             members[int(par[i])] |= members[i]
         for b in range(1, n_branches):
             ll.llama_memory_seq_cp(self._mem, 0, b, 0, self._n_past)
+        # The main chain goes first in the batch, so its cells come before the branches' cells. After
+        # keep_tree_path frees the rest, every free cell then lies after every cell of sequence 0, and
+        # later tokens fill cells in position order: llama.cpp's results change (by up to ~1 logit)
+        # when a sequence's cells are out of position order, which is what drifted before this.
+        order = np.concatenate([np.flatnonzero(seq == 0), np.flatnonzero(seq != 0)])
         b = self._batch
         b.n_tokens = n
-        self._batch_token[:n] = ids
-        self._batch_pos[:n] = self._n_past + depth
+        self._batch_token[:n] = ids[order]
+        self._batch_pos[:n] = self._n_past + depth[order]
         self._batch_logits[:n] = 1
-        for i in range(n):
-            b.n_seq_id[i] = len(members[i])
+        for row, i in enumerate(order):
+            b.n_seq_id[row] = len(members[i])
             for j, s in enumerate(sorted(members[i])):
-                b.seq_id[i][j] = s
+                b.seq_id[row][j] = s
         rc = ll.llama_decode(self._ctx, b)
         self.n_decode_calls += 1
         self.n_decoded_tokens += n
@@ -476,8 +481,8 @@ class LlamaCppRuntime:
             ll.llama_memory_seq_rm(self._mem, 0, self._n_past, -1)
             raise EdgespecError(f"llama_decode failed with code {rc} on a tree of {n} nodes")
         out = np.empty((n, self.n_vocab), dtype=np.float32)
-        for i in range(n):
-            out[i] = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(self.n_vocab,))
+        for row, i in enumerate(order):
+            out[i] = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, row), shape=(self.n_vocab,))
         self._max_logit_rows = max(self._max_logit_rows, n)
         return out
 
@@ -485,13 +490,9 @@ class LlamaCppRuntime:
         """Keep the part of `path` (root first) that lies on the main chain; drop every branch.
 
         Returns how many path nodes were kept. When the path leaves the main chain the rest of it
-        is not moved onto sequence 0 (the caller re-evaluates those few tokens with its next batch).
-
-        Known problem (llama-cpp-python 0.3.36, unified KV): after a batch in which two cells share
-        a position on different sequences, later single-sequence decodes differ from a fresh
-        evaluation by up to ~1 logit on SmolLM2 (seen while testing greedy trees), which is
-        more than batch rounding explains. Until that is understood the engine does not draft trees
-        unless asked to (Engine(trees=True)); chains are unaffected.
+        is not moved onto sequence 0 (the caller re-evaluates those few tokens with its next batch):
+        copied branch cells would sit after freed main-chain cells, out of position order, and
+        later tokens would change (see decode_tree).
         """
         ids, par, seq, depth, n_branches = self._tree
         self._tree = None
@@ -635,6 +636,9 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     sum of the sequences' lengths. `decode_batch` evaluates tokens of several sequences in one
     llama_decode call: that is how a verifier batches the work of concurrent sessions.
 
+    Flash attention is off unless asked for (or a quantized V cache needs it): with it, results
+    depend on the order of a sequence's cells in the pool, which interleaving sessions scramble.
+
     The single-sequence methods of `LlamaCppRuntime` (`decode`, `truncate`, `tokens`, `n_past`) are
     not available here: every call names its sequence. Vocabulary, metadata, memory and close are
     inherited. Not thread-safe: one thread owns it.
@@ -643,6 +647,12 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
+        if options.flash_attn is None and options.type_v in ("f32", "f16", "bf16"):
+            # Sessions interleave in the shared pool, so a session's cells leave position order after
+            # another's rollback frees cells below them; llama.cpp's CPU flash attention then gives
+            # other results (up to ~1.3 logits on SmolLM2 in tests) than the in-order cells of a
+            # session alone. Without flash attention the order does not matter.
+            options = replace(options, flash_attn=False)
         super().__init__(path, replace(options, n_seq_max=n_seq))
         self.n_seq = n_seq
         self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]

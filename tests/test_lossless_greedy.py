@@ -58,10 +58,12 @@ def plain_outputs(smol_engine):
     return out
 
 
-def _check_all(engine, plain_outputs, cfg, reference_runtime):
+def _check_all(engine, plain_outputs, cfg, reference_runtime, on_result=None):
     identical, diverged = 0, []
     for prompt, (ids, plain) in plain_outputs.items():
         result = engine.generate_tokens(ids, cfg)
+        if on_result is not None:
+            on_result(result)
         cmp = compare_greedy(reference_runtime, ids, plain, result.tokens)
         identical += cmp.identical
         if not cmp.identical:
@@ -87,6 +89,21 @@ def test_smollm2_greedy_speculation_is_lossless(smol_engine, plain_outputs, refe
     assert len(PROMPTS) >= 20
     cfg = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0, mode=mode, draft_max=k)
     assert _check_all(smol_engine, plain_outputs, cfg, reference) >= 0.8
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_token_trees_are_lossless(smollm2_path, smollm2_draft, plain_outputs, reference):
+    """Auto mode on a GPU-like profile (flat verify cost) verifies token trees; greedy output stays
+    the target's own, up to near-ties."""
+    from edgespec.profile import CostProfile
+
+    some = dict(list(plain_outputs.items())[:8])  # tree passes are slow on this CPU: 8 prompts
+    tree_rounds = []
+    with Engine(load_runtime(smollm2_path, n_seq_max=4), load_runtime(smollm2_draft)) as engine:
+        engine._profile = CostProfile({n: 0.01 for n in (1, 2, 4, 8, 16)}, 0.001, 0.0012, 0.00005)
+        cfg = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0, mode="auto")
+        assert _check_all(engine, some, cfg, reference, lambda r: tree_rounds.append(r.stats.tree_rounds)) >= 0.8
+    assert min(tree_rounds) > 0
 
 
 def test_speculation_actually_drafts_and_rejects(smol_engine, plain_outputs):

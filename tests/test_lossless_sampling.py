@@ -118,14 +118,23 @@ def engine_with(models, draft_kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_kind,mode", [("good_draft", "ar"), ("good_draft", "draft"),
                                              ("medium_draft", "draft"), ("bad_draft", "draft"),
-                                             ("good_draft", "lookup"), ("medium_draft", "auto")])
+                                             ("good_draft", "lookup"), ("medium_draft", "auto"),
+                                             ("medium_draft", "trees")])
 def test_speculative_sampling_matches_the_target(models, joint, draft_kind, mode):
-    with engine_with(models, draft_kind) as engine:
-        if mode == "auto":  # a GPU-like profile (flat verify cost), so auto really drafts
+    branches = 4 if mode == "trees" else 1  # trees: auto with room for 3 sibling branches
+    with Engine(load_runtime(models["target"], n_ctx=256, n_seq_max=branches),
+                load_runtime(models[draft_kind], n_ctx=256)) as engine:
+        if mode in ("auto", "trees"):  # a GPU-like profile (flat verify cost), so auto drafts (and branches)
             engine._profile = CostProfile({n: 0.01 for n in (1, 2, 3, 4, 6, 8)}, 0.001, 0.0012, 0.00005)
-        samples, last_stats = sample_many(engine, mode)
-        if mode == "auto":
-            assert last_stats.drafted > 0
+        samples, tree_rounds = [], 0
+        cfg = dict(max_tokens=N_TOKENS, mode="auto" if mode == "trees" else mode, draft_max=2, **SAMPLING)
+        for seed in range(N_SAMPLES):
+            result = engine.generate_tokens(PROMPT, GenerationConfig(seed=seed, **cfg))
+            samples.append(tuple(result.tokens))
+            tree_rounds += result.stats.tree_rounds
+        if mode in ("auto", "trees"):
+            assert result.stats.drafted > 0
+        assert (tree_rounds > 0) == (mode == "trees")
     assert set(samples) <= set(joint), "sampled an outcome the target gives probability 0"
     p = chi_square_pvalue(samples, joint)
     print(f"\n{mode} with {draft_kind}: chi-square p = {p:.4f} over {N_SAMPLES} samples")

@@ -68,3 +68,42 @@ def test_multi_candidate_sampling_keeps_the_distribution():
         path, token = accept_tree_sampling(nodes, parents, rows, rng)
         first[nodes[path[1]] if len(path) > 1 else token] += 1
     assert stats.chisquare(first, p * n).pvalue > 0.001
+
+
+def test_after_a_tree_later_decodes_equal_a_fresh_run(smollm2_path):
+    """Branch cells interleaved with the kept path leave holes in the KV pool; tokens decoded later
+    must still give exactly the logits of a run that never saw the tree (llama.cpp's flash attention
+    changes results when a sequence's cells are out of position order, so decode_tree lays the main
+    chain out first)."""
+    rt, fresh = load_runtime(smollm2_path, n_seq_max=4), load_runtime(smollm2_path)
+    prefix = rt.tokenize("Once upon a time", add_special=True, parse_special=False)
+    rt.decode(prefix[:-1], 0)
+    nodes, parents = [prefix[-1], 264, 279, 1234, 567], [-1, 0, 0, 1, 2]  # chain 0-1-3, branch 2-4
+    rt.decode_tree(nodes, parents)
+    assert rt.keep_tree_path([0, 1, 3]) == 3
+    after = np.stack([rt.decode([t], 1)[0] for t in (11, 12, 13, 14)])
+    fresh.decode(prefix[:-1], 0)
+    fresh.decode([prefix[-1], 264, 1234], 0)
+    expected = np.stack([fresh.decode([t], 1)[0] for t in (11, 12, 13, 14)])
+    np.testing.assert_allclose(after, expected, atol=1e-4)
+    rt.close(), fresh.close()
+
+
+def test_a_session_whose_cells_interleave_with_others_gets_its_own_logits(smollm2_path):
+    """The verifier's sessions share one pool: after another session frees cells below this one's,
+    this session's next tokens land there, out of position order. Its logits must not change."""
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    opts = LlamaCppOptions(n_ctx=512, n_threads=2)
+    pool, alone = LlamaCppMultiSeqRuntime(smollm2_path, opts, n_seq=2), LlamaCppMultiSeqRuntime(smollm2_path, opts, n_seq=2)
+    prompt = pool.tokenize("The quick brown fox", add_special=True, parse_special=False)
+    pool.decode_batch([(0, prompt, 0)])
+    pool.decode_batch([(1, [1, 2, 3], 0)])
+    pool.decode_batch([(0, [11, 12], 0)])
+    pool.seq_clear(1)
+    shared = np.stack([pool.decode_batch([(0, [t], 1)])[0][0] for t in (13, 14, 15)])
+    alone.decode_batch([(0, prompt, 0)])
+    alone.decode_batch([(0, [11, 12], 0)])
+    expected = np.stack([alone.decode_batch([(0, [t], 1)])[0][0] for t in (13, 14, 15)])
+    np.testing.assert_allclose(shared, expected, atol=1e-4)
+    pool.close(), alone.close()
