@@ -33,8 +33,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator, Sequence
 
-DRAFT_KS = (1, 2, 4)
-LOOKUP_KS = (2, 4, 8)
+DRAFT_KS = (1, 2, 4, 8)   # the fixed settings auto must match: mode x k in {1, 2, 4, 8}
+LOOKUP_KS = (1, 2, 4, 8)
 PEER_LOOKUP_NS = (2, 10)
 # llama-cpp-python's draft_model hook writes every logits row into a buffer of n_batch rows when
 # logits_all=False, indexed by absolute position: it crashes once prompt + output passes n_batch.
@@ -209,7 +209,8 @@ class EdgespecSystem(System):
                 "rounds": stats.rounds, "self_reported": {
                     "tokens_per_s": round(stats.tokens_per_s, 3), "ttft_s": round(stats.ttft_s, 6),
                     "decode_s": round(stats.decode_s, 6), "draft_s": round(stats.draft_s, 6),
-                    "verify_s": round(stats.verify_s, 6), "finish_reason": result.finish_reason}}
+                    "verify_s": round(stats.verify_s, 6), "finish_reason": result.finish_reason,
+                    "chosen": dict(stats.chosen)}}
 
 
 class _CountingDraft:
@@ -667,6 +668,17 @@ def evaluate_targets(models: dict) -> list[dict]:
                 add("lookup >= 1.0 x llama-cpp-python prompt lookup (grounded, defaults k=4 vs N=10)",
                     ours / theirs if ours and theirs else None, 1.0, f"{default} vs {peer_default}")
             add("lookup >= 1.3 x plain (grounded, best k)", get(best, "grounded", "x_plain"), 1.3, best)
+        if AUTO in s:
+            ratios = auto_vs_plain(s)
+            worst = min(ratios, key=ratios.get) if ratios else None
+            add("auto >= 0.97 x plain on every prompt (lowest per-prompt ratio of medians)",
+                ratios[worst] if worst else None, 0.97, f"lowest on {worst}")
+            fixed = [n for n in s if n.startswith(("edgespec draft", "edgespec lookup"))]
+            best = max(fixed, key=lambda n: get(n, "overall", "median_tok_s") or 0) if fixed else None
+            if best:
+                add("auto median >= best fixed setting (mode x k in {1, 2, 4, 8}) - 5 %",
+                    get(AUTO, "overall", "median_tok_s") / get(best, "overall", "median_tok_s"), 0.95,
+                    f"best fixed: {best}")
         spec = [n for n in s if n.startswith("edgespec ") and n != PLAIN]
         idents = [x for n in spec for p in s[n]["per_prompt"].values() for x in p["identical"]]
         add("greedy identical fraction >= 0.9 (all edgespec speculative runs)",
@@ -677,6 +689,26 @@ def evaluate_targets(models: dict) -> list[dict]:
                 sum(abs(d["logit_gap"]) <= NEAR_TIE for d in divs) / len(divs), 1.0,
                 f"{len(divs)} divergent runs, max gap {max(abs(d['logit_gap']) for d in divs):.3f}")
     return checks
+
+
+AUTO = "edgespec auto"
+
+
+def auto_vs_plain(systems: dict) -> dict[str, float]:
+    """Per prompt: auto's median decode tok/s over plain's."""
+    auto, plain = systems[AUTO]["per_prompt"], systems[PLAIN]["per_prompt"]
+    return {pid: auto[pid]["median_tok_s"] / plain[pid]["median_tok_s"] for pid in auto
+            if auto[pid]["median_tok_s"] and plain[pid]["median_tok_s"]}
+
+
+def auto_choices(systems: dict) -> dict[str, int]:
+    """Rounds per "drafter:k" over every auto run (k is the length actually drafted, gating included)."""
+    total: dict[str, int] = {}
+    for p in systems.get(AUTO, {}).get("per_prompt", {}).values():
+        for rep in p["self_reported"]:
+            for key, n in (rep or {}).get("chosen", {}).items():
+                total[key] = total.get(key, 0) + n
+    return total
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -754,8 +786,19 @@ def render_markdown(doc: dict) -> str:
         verdict = "n/a" if c["met"] is None else ("met" if c["met"] else "missed")
         lines.append(f"| {c['model']} | {c['claim']} ({c['detail']}) | {_f(c['measured'], '{:.3f}')} | "
                      f"{c['threshold']} | {verdict} |")
+    lines += ["", "## What auto chose", ""]
+    for name, mod in doc["models"].items():
+        choices = auto_choices(mod["systems"])
+        if choices:
+            total = sum(choices.values())
+            lines.append(f"- {mod['target']}: " + ", ".join(
+                f"{'plain' if k.endswith(':0') else k} {n / total:.0%}" for k, n in
+                sorted(choices.items(), key=lambda kv: -kv[1])) + f" of {total} rounds")
+        if AUTO in mod["systems"] and PLAIN in mod["systems"]:
+            ratios = auto_vs_plain(mod["systems"])
+            lines.append("  - auto / plain per prompt: " + ", ".join(f"{pid} {r:.2f}" for pid, r in sorted(ratios.items())))
     lines += ["", "Plot: `tok_s_vs_k.png` (tok/s against k for edgespec draft and lookup and llama-cpp-python's "
-              "lookup N; plain decoding as horizontal lines).", ""]
+              "lookup N; plain decoding and auto as horizontal lines; the star is auto's most frequent choice).", ""]
     return "\n".join(lines)
 
 
@@ -788,9 +831,16 @@ def plot(doc: dict, path: Path) -> bool:
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
             for n, style, color, label in ((PLAIN, "-", "gray", "plain"), (PEER_PLAIN, "--", "black", "plain"),
-                                           ("edgespec auto", ":", "tab:red", "adaptive")):
+                                           (AUTO, ":", "tab:red", "adaptive")):
                 if n in systems and y(n):
                     ax.axhline(y(n), linestyle=style, color=color, label=f"{n} ({label}) {y(n):.1f}")
+            choices = auto_choices(systems)
+            if choices and y(AUTO):  # auto's most frequent choice, at its k and auto's measured speed
+                key = max(choices, key=choices.get)
+                drafter, k = key.split(":")
+                share = choices[key] / sum(choices.values())
+                ax.plot([int(k)], [y(AUTO)], marker="*", markersize=16, color="tab:red", linestyle="none",
+                        label=f"auto's choice: {'plain' if k == '0' else drafter + ' k=' + k} ({share:.0%} of rounds)")
             ax.set_title(f"{mod['target']}: {group} prompts")
             ax.set_xlabel("k (tokens drafted per round)")
             ax.set_ylabel("decode tok/s (median)")

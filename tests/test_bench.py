@@ -39,5 +39,11 @@ def test_bench_quick_smollm2(tmp_path, smollm2_path):
     assert "t_last - t_first" in doc["definitions"]["timing"]
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.startswith("# edgespec benchmark") and "Figures vs targets" in markdown
+    claims = {c["claim"]: c for c in doc["targets"] if c["model"] == "smollm2"}
+    auto_claims = [c for name, c in claims.items() if name.startswith("auto ")]
+    assert len(auto_claims) == 2 and all(c["measured"] > 0 for c in auto_claims)
+    chosen = bench.auto_choices(systems)
+    assert sum(chosen.values()) > 0 and all(":" in key for key in chosen)
+    assert "What auto chose" in markdown
     if importlib.util.find_spec("matplotlib"):  # the `bench` extra
         assert (tmp_path / "tok_s_vs_k.png").stat().st_size > 0
