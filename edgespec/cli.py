@@ -33,7 +33,7 @@ TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .g
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
-                sampling: bool = True, reserve_bytes: int = 0):
+                sampling: bool = True, reserve_bytes: int = 0, runtime: str = "llamacpp"):
     """Load the engine for CLI commands; `--mode draft` without `--draft` takes the catalog's pair.
 
     With `--budget`, the memory plan (edgespec.planner) chooses the GPU layers, KV types, context and
@@ -44,9 +44,12 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
 
     if draft is None and mode == "draft" and target in catalog.names():
         draft = catalog.get(target).draft
+    if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):
+        raise EdgespecError(f"--budget plans llama.cpp setups; drop --budget or --runtime {runtime}")
     if budget is None and gpu_budget is None:
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
-                           flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
+                           flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose,
+                           runtime=runtime)
     from edgespec.planner import apply_budget
 
     given = [flag for flag, set_ in (("--gpu-layers", gpu_layers is not None), ("--flash-attn", flash_attn is not None),
@@ -89,6 +92,7 @@ def generate(
     flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
     cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
+    runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
     verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec serve --verifier`: draft here (--draft), verify there"),
     api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY", help="bearer token for --verifier"),
@@ -110,12 +114,14 @@ def generate(
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
     if verifier:
+        if runtime != "llamacpp":
+            raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
                                 as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose)
         return
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0)
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime)
     with engine:
         _print_stream(engine.stream(prompt if raw else messages, config), as_json)
 
@@ -338,6 +344,7 @@ def chat(
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
     budget: str = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it"),
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
+    runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
 ) -> None:
     """Chat in the terminal; each turn prefills only what is new. /help lists the commands."""
@@ -349,7 +356,7 @@ def chat(
                               mode=mode, draft_max=draft_max)
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0)
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime)
     with engine:
         code = run_chat(engine, config, system=system)
     if code:
@@ -393,6 +400,7 @@ def serve(
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
     budget: str = typer.Option(None, "--budget", help="memory budget, e.g. 2G: the plan fits the models and the prefix cache in it"),
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
+    runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
@@ -404,6 +412,8 @@ def serve(
     port = port if port is not None else (8765 if as_verifier else 8000)
     check_bind(host, port, api_key)  # before minutes of model loading
     if as_verifier:
+        if runtime != "llamacpp":
+            raise EdgespecError("serve --verifier runs llama.cpp (one KV sequence per session); drop --runtime")
         if draft or budget or gpu_budget:
             raise EdgespecError(f"serve --verifier takes no {'--draft' if draft else '--budget'} (the edge drafts; the "
                                 "verifier's memory is --max-sessions x --session-ctx)")
@@ -414,7 +424,8 @@ def serve(
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes)
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes,
+                         runtime=runtime)
     with engine:
         config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
                               api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,

@@ -63,7 +63,6 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> lis
 
 
 TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
-# Trees are experimental and off by default: see LlamaCppRuntime.keep_tree_path for the KV problem.
 
 
 @dataclass(frozen=True)
@@ -195,11 +194,34 @@ class Engine:
     def load(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
              n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int | None = None,
              flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
-             offload_kqv: bool = True, verbose: bool = False, trees: bool = False,
-             memory_guard: "MemoryGuard | None" = None) -> "Engine":
+             offload_kqv: bool = True, verbose: bool = False, trees: bool = True,
+             memory_guard: "MemoryGuard | None" = None, runtime: str = "llamacpp",
+             onnx_quant: str = "auto", onnx_provider: str = "auto") -> "Engine":
         """Load models by catalog name or path (the default: the embedded smallest catalog model).
 
-        `trees=True` lets auto mode verify token trees (experimental; see TREE_BRANCHES)."""
+        With a draft model, the target gets room for TREE_BRANCHES sequences so auto mode can verify
+        token trees where the cost profile says they pay (a flat verify cost: GPUs); `trees=False`
+        keeps chains only.
+        `runtime`: "llamacpp" (GGUF), "onnx" (a bundle's onnx/target and onnx/draft, or ONNX export
+        directories; `onnx_quant` auto = fp32, else int8, else int4; `onnx_provider` see
+        runtimes/onnxrt.py) or "coreml" (a bundle's Core ML packages, macOS 15+; the context is the one
+        fixed at export)."""
+        if runtime == "onnx":  # the llama.cpp options (GPU layers, KV types, trees) do not apply
+            from edgespec.runtimes.onnxrt import OnnxOptions, load_pair
+
+            if target is None:
+                raise EdgespecError("runtime onnx needs a target: a bundle or an ONNX export directory")
+            options = OnnxOptions(n_ctx=n_ctx, n_threads=n_threads, provider=onnx_provider, quant=onnx_quant,
+                                  verbose=verbose)
+            return cls(*load_pair(target, draft, options), memory_guard=memory_guard)
+        if runtime == "coreml":  # a bundle's Core ML packages; their context was fixed at export
+            from edgespec.runtimes.coreml import load_coreml_pair
+
+            if target is None:
+                raise EdgespecError("runtime coreml needs a target: a bundle exported with --format coreml")
+            return cls(*load_coreml_pair(target), memory_guard=memory_guard)
+        if runtime != "llamacpp":
+            raise EdgespecError(f"unknown runtime {runtime!r}; use llamacpp, onnx or coreml")
         from edgespec.models import catalog, store
         from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
 

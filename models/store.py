@@ -125,6 +125,58 @@ def _bundle_gguf(bundle: Path, role: str, required: bool = True) -> Path | None:
     return file
 
 
+def resolve_onnx(name_or_path: str | os.PathLike, quant: str = "auto") -> Path:
+    """What the ONNX runtime loads: a bundle's ONNX target file (by `quant`: auto = fp32, else int8,
+    else int4), or an ONNX export directory / .onnx file as is (the runtime picks the quant file)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
+        return _bundle_onnx(path, "target", quant)
+    if path.exists():
+        return path
+    if str(name_or_path) in catalog.names():
+        raise ModelFileError(f"{name_or_path} is a catalog GGUF model, which only the llama.cpp runtime runs; "
+                             "the ONNX runtime needs an export: `edgespec export CHECKPOINT --format onnx`")
+    raise ModelFileError(f"ONNX model not found: {name_or_path} (give a bundle, an ONNX export directory "
+                         "or an .onnx file)")
+
+
+def bundle_onnx_draft(name_or_path: str | os.PathLike | None, quant: str = "auto") -> Path | None:
+    """The ONNX draft file a bundle lists (the asked quant where listed, else its best), or None."""
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path).expanduser()
+    if not (path.is_dir() and (path / BUNDLE_MANIFEST).is_file()):
+        return None
+    return _bundle_onnx(path, "draft", quant)
+
+
+def _bundle_onnx(bundle: Path, role: str, quant: str) -> Path | None:
+    import json
+
+    from edgespec.exporters.onnx_export import ONNX_QUANTS  # fp32, int8, int4: the preference order
+
+    try:
+        manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text(encoding="utf-8"))
+        listed = {a["quant"]: a["file"] for a in (manifest.get("formats", {}).get("onnx") or {}).get(role, [])}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError) as exc:
+        raise ModelFileError(f"{bundle / BUNDLE_MANIFEST} is corrupt ({exc}); export the bundle again") from None
+    if not listed:
+        if role == "target":
+            raise ModelFileError(f"bundle {bundle} has no ONNX target; export it with --format onnx")
+        return None
+    if quant in listed:
+        rel = listed[quant]
+    elif quant == "auto" or role == "draft":  # a self-draft is listed in one quant only
+        rel = listed[next((q for q in ONNX_QUANTS if q in listed), next(iter(listed)))]
+    else:
+        raise ModelFileError(f"bundle {bundle} has no {quant} ONNX {role}; it has {', '.join(listed)}")
+    file = bundle / rel
+    if not file.is_file():
+        raise ModelFileError(f"bundle {bundle} lists {rel} as its ONNX {role} but the file is missing; "
+                             "the bundle is incomplete, export it again")
+    return file
+
+
 def model_identity(path: str | os.PathLike) -> dict:
     """What names a model file for caches and saved state, without hashing it (a 1 GB hash costs
     seconds): a pulled catalog model by its verified sha256, any other file by size, mtime and inode."""
