@@ -407,6 +407,7 @@ class Settings:
     flash_attn: bool
     out: Path
     command: str
+    peers: bool = True   # llama-cpp-python's own plain and lookup decoding, in the same run
 
 
 def _median(xs: Sequence[float | None]) -> float | None:
@@ -470,11 +471,12 @@ def run_setup(setup: Setup, prompts: list[Prompt], settings: Settings, progress,
         systems.append(EdgespecSystem(engine, "auto", None))  # the adaptive policy, its default k_max
         progress.update(task, description=f"{setup.name}: cost profile for auto mode")
         engine.cost_profile()  # measured once (or read from its disk cache) before anything is timed
-        for lookup in (False, True):
+        for lookup in (False, True) if settings.peers else ():
             peers.append(PeerModel(target_path, n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                                    flash_attn=settings.flash_attn, eog=engine.target.vocab.eog, lookup=lookup))
-        systems.append(LlamaCppPythonSystem(peers[0]))
-        systems += [LlamaCppPythonSystem(peers[1], n) for n in PEER_LOOKUP_NS]
+        if peers:
+            systems.append(LlamaCppPythonSystem(peers[0]))
+            systems += [LlamaCppPythonSystem(peers[1], n) for n in PEER_LOOKUP_NS]
         weights = engine.target.memory().weights
         prompt_ids = {p.id: engine.prompt_tokens(list(p.messages)) for p in prompts}
         for p in prompts:
@@ -547,6 +549,8 @@ def summarize_setup(setup: Setup, systems: list[System], prompts: list[Prompt], 
     categories = sorted({p.category for p in prompts}, key=["chat", "code", "grounded"].index)
 
     def ratio_to(name: str, base: str, ids: list[str]) -> float | None:
+        if base not in table:  # --no-peers
+            return None
         rs = [table[name][i]["median_tok_s"] / table[base][i]["median_tok_s"] for i in ids
               if table[name][i]["median_tok_s"] and table[base][i]["median_tok_s"]]
         return statistics.median(rs) if rs else None
@@ -877,6 +881,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     p.add_argument("--resume", action="store_true",
                    help="keep the runs an interrupted benchmark left in OUT/runs.jsonl (same options) and do the rest")
+    p.add_argument("--no-peers", action="store_true", help="leave out llama-cpp-python's own decoding (edgespec only)")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 2 prompts per category, 32 tokens")
     return p.parse_args(argv)
 
@@ -892,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats or (1 if args.quick else 3),
         max_tokens=args.max_tokens or (32 if args.quick else 128),
         per_category=args.per_category or (2 if args.quick else None),
-        n_threads=args.threads, n_ctx=args.ctx, flash_attn=args.flash_attn, out=args.out,
+        n_threads=args.threads, n_ctx=args.ctx, flash_attn=args.flash_attn, out=args.out, peers=not args.no_peers,
         command="python -m edgespec.bench.run " + " ".join(argv))
     if settings.repeats < 1 or settings.max_tokens < 2 or (settings.per_category is not None and settings.per_category < 1):
         print("error: need --repeats >= 1, --max-tokens >= 2 and --per-category >= 1", file=sys.stderr)
@@ -907,7 +912,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine()
 
     def n_systems(s: Setup) -> int:
-        return 2 + (len(DRAFT_KS) if s.draft else 0) + len(LOOKUP_KS) + 1 + len(PEER_LOOKUP_NS)
+        peers = 1 + len(PEER_LOOKUP_NS) if settings.peers else 0
+        return 1 + (len(DRAFT_KS) if s.draft else 0) + len(LOOKUP_KS) + 1 + peers
 
     total = sum(n_systems(s) * (1 + settings.repeats * len(prompts)) for s in chosen)
     per_category: dict[str, int] = {}
@@ -928,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_path = settings.out / "runs.jsonl"
     settings_key = {"models": settings.models, "repeats": settings.repeats, "max_tokens": settings.max_tokens,
                     "prompts": [p.id for p in prompts], "n_threads": settings.n_threads, "n_ctx": settings.n_ctx,
-                    "flash_attn": settings.flash_attn}
+                    "flash_attn": settings.flash_attn, "peers": settings.peers}
     finished = {}
     if args.resume:
         try:
