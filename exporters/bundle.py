@@ -6,6 +6,7 @@
       gguf/draft.<quant>.gguf
       onnx/target/model*.onnx       ONNX Runtime (fp32, int8, int4), with config and tokenizer files
       onnx/draft/...
+      onnx/target-layers/           the target as layer graphs (ExportOptions.onnx_layers; runtimes/onnx_layered.py)
       coreml/target.mlpackage       Core ML (prefill / decode / verify functions, KV cache as state)
       coreml/draft.mlpackage
       tokenizer/                    the Hugging Face tokenizer files (for the ONNX and Core ML runtimes)
@@ -62,6 +63,7 @@ class ExportOptions:
     coreml_context: int = 2048       # Core ML KV state rows (memory: see kv_geometry)
     coreml_prefill: int = 256        # longest prefill chunk of the Core ML prefill function
     draft_max: int = 4               # Core ML verify function takes draft_max + 1 tokens
+    onnx_layers: bool = False        # with onnx: also the target as layer graphs (onnx/target-layers, managed KV)
     self_draft: str | None = None    # "quant[:TYPE]" | "layers[:N]"
     measure: bool = True             # quality and acceptance checks recorded in the manifest
     force: bool = False              # replace an existing bundle at the output path
@@ -330,6 +332,14 @@ def _export_onnx_pair(work, target, draft, self_draft, options, progress, manife
     elif derived_quant:
         entry["draft"] = [_artifact(work, t.files["int4"], "int4")]
     quality["reference"] = "transformers fp32 logits of the same checkpoint"
+    if options.onnx_layers:  # the runtime of runtimes/onnx_layered.py: KV offloading needs per-layer graphs
+        from edgespec.exporters.onnx_layers import export_onnx_layers
+
+        layers = export_onnx_layers(target, work / "onnx" / "target-layers", check=options.measure, progress=progress)
+        entry["target_layers"] = {"directory": _rel(work, layers.directory), "group_size": 1,
+                                  "manifest": _rel(work, layers.directory / "layers.json")}
+        if layers.check:
+            quality["target_layers"] = layers.check
     manifest["formats"]["onnx"] = entry
     manifest["quality"]["onnx"] = quality
 
@@ -500,6 +510,8 @@ def estimate_bytes(target: Checkpoint, draft: Checkpoint | None, self_draft, opt
             total += n_params * (base + sum(_BITS[q] for q in options.gguf_quants if q not in ("f32", "f16"))) / 8
         if "onnx" in options.formats:
             total += n_params * (32 + sum(_BITS[q] for q in options.onnx_quants if q != "fp32")) / 8
+            if options.onnx_layers:  # fp32 layer graphs (a tied embedding is written twice: embed and head)
+                total += n_params * 4
         if "coreml" in options.formats:
             total += n_params * 2 * _BITS[options.coreml_quant] / 8  # parts, then the merged package
         return int(total)

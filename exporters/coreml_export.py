@@ -120,20 +120,12 @@ def build_decoder(ckpt: Checkpoint, max_context: int, cache_dtype=None):
             t = self.static_len or input_ids.shape[-1]
             end = causal_mask.shape[-1]
             begin = end - t
-            pos = torch.arange(t, dtype=torch.float32) + (end - t)
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)
-            cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(t, dtype=torch.float32) + (end - t))
             mask = causal_mask.to(torch.float32)
             h = self.embed(input_ids)
             group = self.n_head // self.n_kv
             for i, layer in enumerate(self.layers):
-                x = layer.attn_norm(h)
-                q = layer.q(x).view(1, t, self.n_head, self.hd).transpose(1, 2)
-                k = layer.k(x).view(1, t, self.n_kv, self.hd).transpose(1, 2)
-                v = layer.v(x).view(1, t, self.n_kv, self.hd).transpose(1, 2)
-                q = q * cos + _rotate_half(q, self.hd // 2) * sin
-                k = k * cos + _rotate_half(k, self.hd // 2) * sin
+                q, k, v = layer_qkv(layer, h, cos, sin, t, self.n_head, self.n_kv, self.hd)
                 self.k_cache[i:i + 1, :, begin:end, :] = k.to(self.k_cache.dtype)
                 self.v_cache[i:i + 1, :, begin:end, :] = v.to(self.v_cache.dtype)
                 keys = self.k_cache[i:i + 1, :, :end, :].to(torch.float32)
@@ -143,12 +135,40 @@ def build_decoder(ckpt: Checkpoint, max_context: int, cache_dtype=None):
                     values = values.repeat_interleave(group, dim=1)
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * (self.hd ** -0.5) + mask
                 attn = torch.matmul(torch.softmax(scores, dim=-1), values)
-                h = h + layer.o(attn.transpose(1, 2).reshape(1, t, self.n_head * self.hd))
-                x = layer.ffn_norm(h)
-                h = h + layer.down(torch.nn.functional.silu(layer.gate(x)) * layer.up(x))
+                h = layer_output(layer, h, attn, t, self.n_head, self.hd)
             return self.lm_head(self.norm(h))
 
     return StatefulDecoder().eval()
+
+
+# The per-layer steps around attention, shared with the per-layer ONNX graphs (onnx_layers.py), which
+# attend over a past passed in rather than over a cache held as state.
+
+def rope_cos_sin(inv_freq, positions):
+    """RoPE tables for float positions (T,): cos and sin shaped (1, 1, T, head_dim)."""
+    torch = _torch()
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[None, None], emb.sin()[None, None]
+
+
+def layer_qkv(layer, h, cos, sin, t, n_head: int, n_kv: int, hd: int):
+    """Norm, projections and RoPE of one layer: q (1, n_head, t, hd), k and v (1, n_kv, t, hd)."""
+    x = layer.attn_norm(h)
+    q = layer.q(x).view(1, t, n_head, hd).transpose(1, 2)
+    k = layer.k(x).view(1, t, n_kv, hd).transpose(1, 2)
+    v = layer.v(x).view(1, t, n_kv, hd).transpose(1, 2)
+    q = q * cos + _rotate_half(q, hd // 2) * sin
+    k = k * cos + _rotate_half(k, hd // 2) * sin
+    return q, k, v
+
+
+def layer_output(layer, h, attn, t, n_head: int, hd: int):
+    """Output projection, residual and MLP of one layer, from attention output (1, n_head, t, hd)."""
+    torch = _torch()
+    h = h + layer.o(attn.transpose(1, 2).reshape(1, t, n_head * hd))
+    x = layer.ffn_norm(h)
+    return h + layer.down(torch.nn.functional.silu(layer.gate(x)) * layer.up(x))
 
 
 def _rotate_half(x, half: int):
