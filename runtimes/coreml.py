@@ -9,7 +9,7 @@ overwritten.
 
 Prediction needs Core ML itself (macOS 15+). Everything else is plain Python that runs anywhere:
 reading and checking the package (`read_package`), the plan (`plan_calls`), the vocabulary from the
-bundle's tokenizer files (`HFVocab`), and `TorchReferenceRuntime`, which runs the same plan against
+bundle's tokenizer files (`runtimes/hf_vocab.HFVocab`), and `TorchReferenceRuntime`, which runs the same plan against
 the torch decoder the exporter converts, so chunking, masks and rollback are checked numerically
 without a Mac.
 
@@ -19,7 +19,6 @@ head_dim x fp16, K and V: allocated whole when the state is made), and logits ro
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -33,7 +32,8 @@ import numpy as np
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
 from edgespec.exporters.coreml_export import FUNCTIONS, causal_mask
-from edgespec.runtimes.base import MemoryReport, VocabInfo
+from edgespec.runtimes.base import MemoryReport
+from edgespec.runtimes.hf_vocab import HFVocab
 
 COMPUTE_UNITS = ("cpu_and_gpu", "cpu_only", "cpu_and_ne", "all")
 _REEXPORT = "export it again with `edgespec export --format coreml`"
@@ -224,74 +224,6 @@ def plan_calls(info: PackageInfo, n_past: int, n_tokens: int, n_ctx: int | None 
 
 # --- the vocabulary, from the bundle's Hugging Face tokenizer files ------------------------------
 
-class HFVocab:
-    """tokenizer.json (with its config files) answering the Runtime protocol's vocabulary questions.
-
-    Ids come from the `tokenizers` library; token texts, types, special ids, add-BOS and the chat
-    template are read as the GGUF exporter writes them for llama.cpp (HFTokenizer, gguf.SpecialVocab),
-    and llama.cpp's rules by token text (end of generation, tokens shown as nothing) are the ONNX
-    runtime's tables, so the runtimes of one bundle agree token for token with llama.cpp.
-    """
-
-    def __init__(self, directory: str | os.PathLike, n_vocab: int):
-        import gguf
-        from tokenizers import Tokenizer
-
-        from edgespec.exporters.hf_tokenizer import HFTokenizer
-        from edgespec.runtimes.onnxrt import _CONTROL_TEXTS, _RENDERED_TEXTS, EOG_TEXTS
-
-        directory = Path(directory)
-        hf = HFTokenizer.load(directory)
-        self.texts, types = hf.tokens_and_types(n_vocab)
-        self._tok = Tokenizer.from_str(json.dumps(hf.data))
-        special = gguf.SpecialVocab(directory, n_vocab=n_vocab)
-        ids = special.special_token_ids
-        # As onnxrt.OnnxRuntime: gpt-oss style vocabularies (<|return|> and <|call|>) show <|end|> as text.
-        present = set(self.texts) & EOG_TEXTS
-        harmony = {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present
-        rendered = _RENDERED_TEXTS | ({"<|end|>"} if harmony else set())
-        eog = {ids[k] for k in ("eos", "eot", "eom") if k in ids}
-        eog |= {i for i, t in enumerate(self.texts) if t in EOG_TEXTS and t not in rendered}
-        silent_types = {int(gguf.TokenType.CONTROL), int(gguf.TokenType.UNUSED)}
-        self._silent = [(ty in silent_types or tx in _CONTROL_TEXTS) and tx not in rendered
-                        for tx, ty in zip(self.texts, types)]
-        self._user_defined = [ty == int(gguf.TokenType.USER_DEFINED) or tx in rendered
-                              for tx, ty in zip(self.texts, types)]
-        self.add_eos = bool(special.add_special_token.get("eos", False))
-        self.info = VocabInfo(n_vocab=n_vocab, vocab_type="bpe", bos=ids.get("bos"), eos=ids.get("eos"),
-                              add_bos=bool(special.add_special_token.get("bos", False)), eog=frozenset(eog))
-        template = special.chat_template
-        if isinstance(template, list):  # named templates: llama.cpp's default is the one called "default"
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        self.template: str | None = template or None
-        self._bytes: dict[int, bytes] = {}
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        self._tok.encode_special_tokens = not parse_special  # True: special tokens' text is plain text
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special and self.info.add_bos and self.info.bos is not None:
-            ids = [self.info.bos] + ids
-        if add_special and self.add_eos and self.info.eos is not None:
-            ids = ids + [self.info.eos]
-        return ids
-
-    def token_bytes(self, token: int) -> bytes:
-        """llama.cpp's piece without special tokens: control and unused tokens empty, added tokens as
-        their text, the rest byte-level decoded."""
-        out = self._bytes.get(token)
-        if out is None:
-            from edgespec.runtimes.onnxrt import _decode_byte_level
-
-            text = self.texts[token]
-            out = (b"" if self._silent[token] else text.encode("utf-8") if self._user_defined[token]
-                   else _decode_byte_level(text))
-            self._bytes[token] = out
-        return out
-
-    def token_text(self, token: int) -> str:
-        return self.texts[token]
-
-
 # --- runtimes: one sequence, calls planned as above ------------------------------------------------
 
 @dataclass(frozen=True)
@@ -385,7 +317,7 @@ class _PlannedRuntime:
         return self._vocab.token_text(token)
 
     def chat_template(self) -> str | None:
-        return self._vocab.template
+        return self._vocab.chat_template()
 
     def memory(self) -> MemoryReport:
         """Weights (the package's weight file), the whole KV state, logits rows returned; under `other`

@@ -19,8 +19,8 @@ and on glibc the malloc mmap threshold is pinned (`malloc_mmap_threshold`, see _
 so freed activations go back to the OS instead of fragmenting the heap. Offloaded KV lives in the
 page cache (or on disk), not in the process: see `kv_stats()`.
 
-Tokenizer: the tokenizer files beside the graphs, read by the ONNX runtime's own tokenizer code
-(runtimes/onnxrt.py), borrowed here unchanged so both runtimes tokenize identically.
+Tokenizer: the tokenizer files beside the graphs, read by `runtimes/hf_vocab.HFVocab`, as the ONNX
+and Core ML runtimes read theirs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
 from edgespec.exporters.onnx_layers import FORMAT, MANIFEST, SCHEMA  # torch is imported only to export
 from edgespec.kvstore import DEFAULT_BLOCK_TOKENS, KVGeometry, KVStore
 from edgespec.runtimes.base import MemoryReport
-from edgespec.runtimes.onnxrt import OnnxRuntime, _need_ort, _ort_reason, _physical_cores, _read_json
+from edgespec.runtimes.hf_vocab import HFVocab
+from edgespec.runtimes.onnxrt import _need_ort, _ort_reason, _physical_cores
 
 
 
@@ -59,30 +60,6 @@ class LayeredOptions:
             raise EdgespecError("n_ctx must be >= 0, n_batch and block_tokens >= 1")
         if self.resident_budget_bytes is not None and self.resident_budget_bytes < 0:
             raise EdgespecError("the resident KV budget must be >= 0 bytes")
-
-
-class _Vocab:
-    """The tokenizer half of `OnnxRuntime`, used as is (same files, same rules, no second copy).
-
-    Its methods read only what `__init__` sets here, the attributes OnnxRuntime sets before it calls
-    `_load_tokenizer` (the directory, n_vocab, config.json). When runtimes/onnxrt.py grows a
-    standalone tokenizer class, this becomes an import of it.
-    """
-
-    _load_tokenizer = OnnxRuntime._load_tokenizer
-    _special_id = OnnxRuntime._special_id
-    _add_flag = OnnxRuntime._add_flag
-    _read_chat_template = OnnxRuntime._read_chat_template
-    tokenize = OnnxRuntime.tokenize
-    token_bytes = OnnxRuntime.token_bytes
-    token_text = OnnxRuntime.token_text
-    chat_template = OnnxRuntime.chat_template
-
-    def __init__(self, directory: Path, n_vocab: int):
-        self.directory = directory
-        self.n_vocab = n_vocab
-        self._config = _read_json(directory / "config.json")
-        self._load_tokenizer()
 
 
 def read_manifest(directory: Path) -> dict:
@@ -170,8 +147,8 @@ class LayeredOnnxRuntime:
         self._layer_sessions = [self._session(ort, g["file"]) for g in manifest["groups"]]
         self._head = self._session(ort, manifest["head"])
         self._past_names = [[(f"past_key.{i}", f"past_value.{i}") for i in g] for g in self.groups]
-        self._vocab = _Vocab(self.path, self.n_vocab)
-        self.vocab = self._vocab.vocab
+        self._vocab = HFVocab(self.path, self.n_vocab)
+        self.vocab = self._vocab.info
 
         geometry = KVGeometry(self.n_layer, self.n_head_kv, self.head_dim, manifest.get("dtype", "float32"))
         self._store = KVStore(geometry, self.n_ctx, self.groups, block_tokens=options.block_tokens,

@@ -31,18 +31,11 @@ long prompts run `prefill_chunk` tokens (default 64) at a time into one bound bu
 prefill_chunk x n_vocab float32 (12.6 MB for a 49k vocabulary) instead of n_tokens x n_vocab.
 ONNX Runtime's activation arena is not counted.
 
-Tokenizer: the `tokenizers` library on tokenizer.json. `parse_special=False` sets the tokenizer's
-`encode_special_tokens`, so added tokens marked special ("<|im_end|>") are encoded as plain text,
-while non-special added tokens are still matched: llama.cpp's rule (it skips CONTROL tokens only).
-BOS/EOS are added by the flags tokenizer_config.json (or the post-processor) gives, as gguf's
-SpecialVocab writes them into a GGUF. Token texts, types, bytes and end-of-generation tokens follow
-what llama.cpp reports for the GGUF export of the same checkpoint (tests/test_onnx_runtime.py
-checks every id).
+Tokenizer and vocabulary: `edgespec.runtimes.hf_vocab.HFVocab` (llama.cpp's answers for every id).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -52,7 +45,8 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, VocabInfo
+from edgespec.runtimes.base import MemoryReport
+from edgespec.runtimes.hf_vocab import HFVocab, read_json
 
 # Best first: what provider="auto" picks among the ones this onnxruntime build has.
 PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider",
@@ -62,24 +56,6 @@ PROVIDER_ALIASES = {"tensorrt": "TensorrtExecutionProvider", "trt": "TensorrtExe
                     "cpu": "CPUExecutionProvider"}
 # Listed by get_available_providers() but not a device to run a model on (it calls a remote endpoint).
 _NOT_DEVICES = {"AzureExecutionProvider"}
-
-# llama.cpp finds special tokens by their text (src/llama-vocab.cpp); a GGUF from our exporter carries
-# only bos/eos ids, so these rules decide its end-of-generation set and which tokens render as nothing.
-_EOT_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-              "_<EOT>", "[EOT]", "<end_of_utterance>"}
-_FIM_EOG_TEXTS = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",                      # FIM pad
-                  "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",          # FIM repo
-                  "<|file_sep|>"}                                                                # FIM file sep
-EOG_TEXTS = frozenset(_EOT_TEXTS | _FIM_EOG_TEXTS | {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>"})
-# Made CONTROL (rendered as no bytes) besides the end-of-generation ones: FIM prefix / suffix / middle.
-_CONTROL_TEXTS = EOG_TEXTS | {
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "<|code_prefix|>", "<|prefix|>",
-    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "<|code_suffix|>", "<|suffix|>",
-    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "<|code_middle|>", "<|middle|>"}
-_RENDERED_TEXTS = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}  # gpt-oss: always shown as text
 
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
              "tensor(int32)": np.int32}
@@ -152,50 +128,12 @@ def model_file(path: str | os.PathLike, quant: str = "auto") -> Path:
     return present[quant]
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelFileError(f"{path} is not valid JSON ({exc}); export the model again") from None
-
-
 def _ort_reason(exc: Exception) -> str:
     """ONNX Runtime's error text cut to its first line, without the "[ONNXRuntimeError] : 7 :" prefix."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if text.startswith("[ONNXRuntimeError]"):
         text = text.split(":", 2)[-1].strip().replace(" : ", ": ", 1)
     return re.sub(r"Load model from .*? failed:\s*", "", text)[:200]  # the caller names the file already
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable character each byte is stored as -> the byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
-
-
-_BYTE_DECODER = _byte_decoder()
-
-
-def _decode_byte_level(text: str) -> bytes:
-    """A stored BPE token's bytes; a character outside the byte alphabet is written as llama.cpp does."""
-    out = bytearray()
-    for ch in text:
-        b = _BYTE_DECODER.get(ch)
-        if b is None:
-            out += f"[UNK_BYTE_0x{ch.encode('utf-8').hex()}{text}]".encode("utf-8")
-        else:
-            out.append(b)
-    return bytes(out)
 
 
 class OnnxRuntime:
@@ -217,7 +155,7 @@ class OnnxRuntime:
         self.provider, self.provider_reason = choose_provider(options.provider, ort.get_available_providers())
         self.n_threads = options.n_threads or _physical_cores()
         self.n_batch = options.prefill_chunk  # profile key and stats read n_batch, as for llama.cpp
-        self._config = _read_json(self.directory / "config.json")
+        self._config = read_json(self.directory / "config.json")
         self._load_session(ort)
         self._read_interface()
         self._load_tokenizer()
@@ -296,110 +234,20 @@ class OnnxRuntime:
             raise ModelFileError(f"{self.path}: the logits width is not fixed and config.json has no vocab_size")
 
     def _load_tokenizer(self) -> None:
-        import gguf
-        from tokenizers import Tokenizer
-
-        from edgespec.exporters.hf_tokenizer import HFTokenizer
-
-        hf = HFTokenizer.load(self.directory)  # refuses what is not byte-level BPE, as the exporters do
-        self._tokenizer = Tokenizer.from_file(str(self.directory / "tokenizer.json"))
-        # The GGUF exporter's view of the vocabulary: text and token type per id (pads past the tokenizer).
-        self._texts, types = hf.tokens_and_types(self.n_vocab)
-        control = {int(gguf.TokenType.CONTROL), int(gguf.TokenType.UNUSED)}
-        eog_ids = {i for i, t in enumerate(self._texts) if t in EOG_TEXTS}
-        # o200k_harmony / solar-open: with <|return|> and <|call|> (or <|calls|> and <|flush|>), <|end|> is text
-        present = set(self._texts) & EOG_TEXTS
-        harmony_end = {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present
-        rendered = _RENDERED_TEXTS | ({"<|end|>"} if harmony_end else set())
-        eog_ids = {i for i in eog_ids if self._texts[i] not in rendered}
-        # llama.cpp renders CONTROL and UNUSED tokens as no bytes (CONTROL wins over USER_DEFINED), and makes
-        # the special-looking texts CONTROL; the `rendered` ones it resets to USER_DEFINED.
-        self._silent = np.array([(ty in control or tx in _CONTROL_TEXTS) and tx not in rendered
-                                 for tx, ty in zip(self._texts, types)], dtype=bool)
-        self._user_defined = np.array([ty == int(gguf.TokenType.USER_DEFINED) or tx in rendered
-                                       for tx, ty in zip(self._texts, types)], dtype=bool)
-        self._bytes: list[bytes | None] = [None] * self.n_vocab
-        self._template = self._read_chat_template(hf.config)
-
-        config, generation = self._config, _read_json(self.directory / "generation_config.json")
-        bos = self._special_id(hf.config.get("bos_token"), config.get("bos_token_id"), generation.get("bos_token_id"))
-        eos = self._special_id(hf.config.get("eos_token"), config.get("eos_token_id"), generation.get("eos_token_id"))
-        self._add_bos = self._add_flag(hf, "bos", bos)
-        self._add_eos = self._add_flag(hf, "eos", eos)
-        # generation_config may list several end tokens (Llama 3 instruct); Hugging Face stops at each.
-        extra = generation.get("eos_token_id")
-        extra = extra if isinstance(extra, list) else [extra] if isinstance(extra, int) else []
-        eog = eog_ids | {t for t in [eos, *extra] if isinstance(t, int) and 0 <= t < self.n_vocab}
-        self.vocab = VocabInfo(n_vocab=self.n_vocab, vocab_type="bpe", bos=bos, eos=eos, add_bos=self._add_bos,
-                               eog=frozenset(eog))
-
-    def _special_id(self, token, *fallback_ids) -> int | None:
-        """tokenizer_config's token (a string or {"content": ...}) by id, else the first id config files give."""
-        content = token.get("content") if isinstance(token, dict) else token
-        if isinstance(content, str):
-            found = self._tokenizer.token_to_id(content)
-            if found is not None:
-                return int(found)
-        for value in fallback_ids:
-            value = value[0] if isinstance(value, list) and value else value
-            if isinstance(value, int) and 0 <= value < self.n_vocab:
-                return value
-        return None
-
-    def _add_flag(self, hf, kind: str, token: int | None) -> bool:
-        """add_bos_token / add_eos_token from tokenizer_config.json, else whether the post-processor adds it."""
-        flag = hf.config.get(f"add_{kind}_token")
-        if isinstance(flag, bool):
-            return flag and token is not None
-        post = hf.data.get("post_processor") or {}
-        for proc in post.get("processors", [post]):
-            single = (proc.get("single") or []) if proc.get("type") == "TemplateProcessing" else []
-            if len(single) > 1:
-                edge = single[0] if kind == "bos" else single[-1]
-                name = edge.get("SpecialToken", {}).get("id")
-                if name is not None and self._tokenizer.token_to_id(name) == token:
-                    return True
-        return False
-
-    def _read_chat_template(self, tokenizer_config: dict) -> str | None:
-        template = tokenizer_config.get("chat_template")
-        if template is None and (self.directory / "chat_template.jinja").is_file():
-            template = (self.directory / "chat_template.jinja").read_text(encoding="utf-8")
-        if template is None:
-            template = _read_json(self.directory / "chat_template.json").get("chat_template")
-        if isinstance(template, list):  # named templates: the default one, as a GGUF stores it
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        return template if isinstance(template, str) else None
-
-    # -- vocabulary -------------------------------------------------------------------------------
+        self._vocab = HFVocab(self.directory, self.n_vocab, self._config)
+        self.vocab = self._vocab.info
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        self._tokenizer.encode_special_tokens = not parse_special
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        if add_special:
-            if self._add_bos:
-                ids.insert(0, self.vocab.bos)
-            if self._add_eos:
-                ids.append(self.vocab.eos)
-        return ids
+        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def token_bytes(self, token: int) -> bytes:
-        piece = self._bytes[token]
-        if piece is None:
-            if self._silent[token]:
-                piece = b""
-            elif self._user_defined[token]:  # added tokens are stored as their text, not byte-encoded
-                piece = self._texts[token].encode("utf-8")
-            else:
-                piece = _decode_byte_level(self._texts[token])
-            self._bytes[token] = piece
-        return piece
+        return self._vocab.token_bytes(token)
 
     def token_text(self, token: int) -> str:
-        return self._texts[token]
+        return self._vocab.token_text(token)
 
     def chat_template(self) -> str | None:
-        return self._template
+        return self._vocab.chat_template()
 
     # -- KV sequence ------------------------------------------------------------------------------
 

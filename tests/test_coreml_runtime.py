@@ -256,7 +256,7 @@ def test_vocabulary_equals_llama_cpp(bundle, hf_tiny, other_ggufs, name):
     from conftest import load_runtime
     from hf_models import corpus_texts
 
-    from edgespec.runtimes.coreml import HFVocab
+    from edgespec.runtimes.hf_vocab import HFVocab
 
     if name == "bundle":
         tokenizer, rt = bundle / "tokenizer", llama_cpp(bundle)
@@ -265,7 +265,7 @@ def test_vocabulary_equals_llama_cpp(bundle, hf_tiny, other_ggufs, name):
     with rt as theirs:
         ours = HFVocab(tokenizer, theirs.n_vocab)
         assert ours.info == theirs.vocab
-        assert ours.template == theirs.chat_template()
+        assert ours.chat_template() == theirs.chat_template()
         for t in range(theirs.n_vocab):
             assert ours.token_text(t) == theirs.token_text(t), t
             assert ours.token_bytes(t) == theirs.token_bytes(t), t
