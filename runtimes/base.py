@@ -13,6 +13,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from edgespec.errors import ContextOverflowError
+
 
 @dataclass(frozen=True)
 class VocabInfo:
@@ -79,6 +81,42 @@ class Runtime(Protocol):
     def memory(self) -> MemoryReport: ...
 
     def close(self) -> None: ...
+
+
+class TokenSequence:
+    """What every one-sequence runtime keeps about its sequence: the ids whose KV is held, and the
+    checks an append or a rollback makes before the runtime touches its KV."""
+
+    n_ctx: int
+
+    def _start_sequence(self, n_ctx: int) -> None:
+        self._tokens = np.zeros(n_ctx, dtype=np.int32)  # ids whose KV is held
+        self._n_past = 0
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._tokens[: self._n_past].copy()
+
+    def _check_append(self, tokens: Sequence[int], n_logits: int, dtype=np.int32) -> np.ndarray:
+        """The tokens as an array, once they fit: at least one, n_logits of them at most, room left."""
+        ids = np.asarray(tokens, dtype=dtype).reshape(-1)
+        n = len(ids)
+        if n == 0 or not 0 <= n_logits <= n:
+            raise ValueError(f"decode needs at least one token and 0 <= n_logits <= {n}")
+        if self._n_past + n > self.n_ctx:
+            raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
+                                       f"{n} more asked); use a larger --ctx or a shorter prompt")
+        return ids
+
+    def _check_truncate(self, n: int) -> bool:
+        """Whether truncating to n drops anything (a ValueError if n is not a held length)."""
+        if not 0 <= n <= self._n_past:
+            raise ValueError(f"cannot truncate to {n}: {self._n_past} positions held")
+        return n < self._n_past
 
 
 def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:

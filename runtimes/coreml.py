@@ -32,7 +32,7 @@ import numpy as np
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
 from edgespec.exporters.coreml_export import FUNCTIONS, causal_mask
-from edgespec.runtimes.base import MemoryReport
+from edgespec.runtimes.base import MemoryReport, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab
 
 COMPUTE_UNITS = ("cpu_and_gpu", "cpu_only", "cpu_and_ne", "all")
@@ -239,7 +239,7 @@ class CoreMLOptions:
             raise EdgespecError("n_ctx must be >= 0 (0 = the package's context)")
 
 
-class _PlannedRuntime:
+class _PlannedRuntime(TokenSequence):
     """Sequence bookkeeping shared by the Core ML runtime and its torch reference: `_run(call, ids)`
     evaluates one planned call and returns its logits (T, n_vocab)."""
 
@@ -255,8 +255,7 @@ class _PlannedRuntime:
         self.n_vocab = info.n_vocab
         self._vocab = vocab
         self.vocab = vocab.info
-        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)
-        self._n_past = 0
+        self._start_sequence(self.n_ctx)
         self._max_logit_rows = 0
         self._max_call_rows = 0
         self.n_decode_calls = 0  # calls made, every function together (as llama.cpp's runtime counts)
@@ -266,20 +265,10 @@ class _PlannedRuntime:
     def _run(self, call: Call, ids: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self._tokens[: self._n_past].copy()
-
     def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
         """Append tokens; float32 logits of the last `n_logits` of them."""
-        ids = np.asarray(tokens, dtype=np.int32)
+        ids = self._check_append(tokens, n_logits)
         n = len(ids)
-        if n == 0 or not 0 <= n_logits <= n:
-            raise ValueError(f"decode needs at least one token and 0 <= n_logits <= {n}")
         if ids.min() < 0 or ids.max() >= self.n_vocab:
             raise EdgespecError(f"token id {int(ids[(ids < 0) | (ids >= self.n_vocab)][0])} is outside the "
                                 f"vocabulary of {self.n_vocab}")
@@ -303,8 +292,7 @@ class _PlannedRuntime:
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions: the next call's mask ends there, and rows past it get overwritten."""
-        if not 0 <= n <= self._n_past:
-            raise ValueError(f"cannot truncate to {n}: {self._n_past} positions held")
+        self._check_truncate(n)
         self._n_past = n
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:

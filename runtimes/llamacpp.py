@@ -23,7 +23,7 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, VocabInfo
+from edgespec.runtimes.base import MemoryReport, TokenSequence, VocabInfo
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).
 KV_TYPES: dict[str, tuple[int, float]] = {
@@ -236,7 +236,7 @@ class VocabOnly:
             self._model = None
 
 
-class LlamaCppRuntime:
+class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
@@ -308,8 +308,7 @@ class LlamaCppRuntime:
         for i in range(self.n_batch):
             self._batch.seq_id[i][0] = 0
 
-        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # ids whose KV is held
-        self._n_past = 0
+        self._start_sequence(self.n_ctx)
         self._max_logit_rows = 0
         self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
         self.n_decoded_tokens = 0  # tokens evaluated, all calls together (prefix reuse shows here)
@@ -367,23 +366,10 @@ class LlamaCppRuntime:
 
     # -- KV sequence ----------------------------------------------------------------------------
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self._tokens[: self._n_past].copy()
-
     def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
         """Append tokens to the sequence; return logits of the last `n_logits` (a fresh array)."""
-        ids = np.asarray(tokens, dtype=np.int32)
+        ids = self._check_append(tokens, n_logits)
         n = len(ids)
-        if n == 0 or not 0 <= n_logits <= n:
-            raise ValueError(f"decode needs at least one token and 0 <= n_logits <= {n}")
-        if self._n_past + n > self.n_ctx:
-            raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
-                                       f"{n} more asked); use a larger --ctx or a shorter prompt")
         if not self._ctx:  # closed (a memory guard dropped this draft model): fail clearly, never in C
             raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         rows_max = self.options.n_outputs_max
@@ -511,9 +497,7 @@ class LlamaCppRuntime:
 
     def truncate(self, n: int) -> None:
         """Roll the KV back to its first n positions (the rollback speculation needs)."""
-        if not 0 <= n <= self._n_past:
-            raise ValueError(f"cannot truncate to {n}: {self._n_past} positions held")
-        if n == self._n_past:
+        if not self._check_truncate(n):
             return
         if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
             raise EdgespecError(f"{self.path.name}: llama.cpp cannot remove part of this model's memory "

@@ -34,10 +34,10 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
+from edgespec.errors import EdgespecError, ModelFileError
 from edgespec.exporters.onnx_layers import FORMAT, MANIFEST, SCHEMA  # torch is imported only to export
 from edgespec.kvstore import DEFAULT_BLOCK_TOKENS, KVGeometry, KVStore
-from edgespec.runtimes.base import MemoryReport
+from edgespec.runtimes.base import MemoryReport, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab
 from edgespec.runtimes.onnxrt import _need_ort, _ort_reason, _physical_cores
 
@@ -120,7 +120,7 @@ def causal_mask(n_past: int, n_new: int) -> np.ndarray:
     return np.where(cols > n_past + rows, np.float32(-np.inf), np.float32(0.0))[None, None]
 
 
-class LayeredOnnxRuntime:
+class LayeredOnnxRuntime(TokenSequence):
     """Layer graphs and one KV sequence in a managed store. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime-layered"
@@ -155,8 +155,7 @@ class LayeredOnnxRuntime:
                               resident_budget_bytes=options.resident_budget_bytes,
                               offload_dir=options.offload_dir, prefetch=options.prefetch)
         self._positions = np.arange(self.n_ctx, dtype=np.int64)[None]
-        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)
-        self._n_past = 0
+        self._start_sequence(self.n_ctx)
         self._max_logit_rows = 0
         self.n_decode_calls = 0
         self.n_decoded_tokens = 0
@@ -195,23 +194,10 @@ class LayeredOnnxRuntime:
 
     # -- KV sequence ------------------------------------------------------------------------------
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self._tokens[: self._n_past].copy()
-
     def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
         """Append tokens; return float32 logits of the last `n_logits` of them (a fresh array)."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        ids = self._check_append(tokens, n_logits, np.int64)
         n = len(ids)
-        if n == 0 or not 0 <= n_logits <= n:
-            raise ValueError(f"decode needs at least one token and 0 <= n_logits <= {n}")
-        if self._n_past + n > self.n_ctx:
-            raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
-                                       f"{n} more asked); use a larger context or a shorter prompt")
         if self._store is None:
             raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
@@ -263,8 +249,7 @@ class LayeredOnnxRuntime:
 
     def truncate(self, n: int) -> None:
         """Roll back to the first n positions: the store's rows past n get overwritten later."""
-        if not 0 <= n <= self._n_past:
-            raise ValueError(f"cannot truncate to {n}: {self._n_past} positions held")
+        self._check_truncate(n)
         self._n_past = n
 
     # -- identity, memory and lifetime -------------------------------------------------------------

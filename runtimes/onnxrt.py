@@ -44,8 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport
+from edgespec.errors import EdgespecError, ModelFileError
+from edgespec.runtimes.base import MemoryReport, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab, read_json
 
 # Best first: what provider="auto" picks among the ones this onnxruntime build has.
@@ -136,7 +136,7 @@ def _ort_reason(exc: Exception) -> str:
     return re.sub(r"Load model from .*? failed:\s*", "", text)[:200]  # the caller names the file already
 
 
-class OnnxRuntime:
+class OnnxRuntime(TokenSequence):
     """An exported with-past ONNX decoder and one KV sequence. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime"
@@ -172,8 +172,7 @@ class OnnxRuntime:
         self._positions = np.arange(self.n_ctx, dtype=self._int_type.get("position_ids", np.int64))[None]
         self._mask = np.ones((1, self.n_ctx), dtype=self._int_type["attention_mask"])
         self._binding = self._session.io_binding()
-        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)
-        self._n_past = 0
+        self._start_sequence(self.n_ctx)
         self._max_logit_rows = 0
         self.n_decode_calls = 0
         self.n_decoded_tokens = 0
@@ -251,23 +250,10 @@ class OnnxRuntime:
 
     # -- KV sequence ------------------------------------------------------------------------------
 
-    @property
-    def n_past(self) -> int:
-        return self._n_past
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self._tokens[: self._n_past].copy()
-
     def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
         """Append tokens; return float32 logits of the last `n_logits` of them (a fresh array)."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        ids = self._check_append(tokens, n_logits, np.int64)
         n = len(ids)
-        if n == 0 or not 0 <= n_logits <= n:
-            raise ValueError(f"decode needs at least one token and 0 <= n_logits <= {n}")
-        if self._n_past + n > self.n_ctx:
-            raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self._n_past} held, "
-                                       f"{n} more asked); use a larger --ctx or a shorter prompt")
         if self._session is None:
             raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
@@ -316,9 +302,7 @@ class OnnxRuntime:
 
     def truncate(self, n: int) -> None:
         """Roll the KV back to its first n positions (one copy of n rows onto the other side)."""
-        if not 0 <= n <= self._n_past:
-            raise ValueError(f"cannot truncate to {n}: {self._n_past} positions held")
-        if n == self._n_past:
+        if not self._check_truncate(n):
             return
         if n:
             np.copyto(self._kv_view(1 - self._side, n), self._kv_view(self._side, self._n_past)[:, :, :n])
