@@ -33,7 +33,8 @@ TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .g
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
-                sampling: bool = True, reserve_bytes: int = 0, runtime: str = "llamacpp"):
+                sampling: bool = True, reserve_bytes: int = 0, runtime: str = "llamacpp",
+                kv_resident: str | None = None):
     """Load the engine for CLI commands; `--mode draft` without `--draft` takes the catalog's pair.
 
     With `--budget`, the memory plan (edgespec.planner) chooses the GPU layers, KV types, context and
@@ -44,12 +45,14 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
 
     if draft is None and mode == "draft" and target in catalog.names():
         draft = catalog.get(target).draft
+    if kv_resident is not None and runtime != "onnx":
+        raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
     if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):
         raise EdgespecError(f"--budget plans llama.cpp setups; drop --budget or --runtime {runtime}")
     if budget is None and gpu_budget is None:
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
                            flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose,
-                           runtime=runtime)
+                           runtime=runtime, kv_resident=kv_resident)
     from edgespec.planner import apply_budget
 
     given = [flag for flag, set_ in (("--gpu-layers", gpu_layers is not None), ("--flash-attn", flash_attn is not None),
@@ -93,6 +96,7 @@ def generate(
     cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
     cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
     runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
+    kv_resident: str = typer.Option(None, "--kv-resident", help="--runtime onnx: keep this much KV in memory (e.g. 64M) and the rest in a file; needs the bundle's layer graphs (export --onnx-layers)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
     verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec serve --verifier`: draft here (--draft), verify there"),
     api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY", help="bearer token for --verifier"),
@@ -121,7 +125,8 @@ def generate(
         return
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime)
+                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime,
+                         kv_resident=kv_resident)
     with engine:
         _print_stream(engine.stream(prompt if raw else messages, config), as_json)
 
@@ -472,6 +477,8 @@ def export(
                               "[default: q4_k_m, onnx fp32+int8+int4, coreml int4]"),
     self_draft: str = typer.Option(None, "--self-draft", help="no draft? derive one from the target: quant[:TYPE] "
                                    "(the target at fewer bits) or layers[:N] (its first N layers)"),
+    onnx_layers: bool = typer.Option(False, "--onnx-layers", help="ONNX: also the target as layer graphs, so "
+                                     "`generate --runtime onnx --kv-resident SIZE` can keep part of its KV in a file"),
     coreml_context: int = typer.Option(2048, help="Core ML: KV cache rows (the longest context)"),
     draft_max: int = typer.Option(4, help="Core ML: tokens drafted per round (verify takes draft_max + 1)"),
     no_measure: bool = typer.Option(False, "--no-measure", help="skip the quality and acceptance measurements"),
@@ -487,9 +494,12 @@ def export(
 
     if draft_max < 1 or coreml_context < 16:
         raise EdgespecError("--draft-max must be >= 1 and --coreml-context >= 16")
+    if onnx_layers and "onnx" not in parse_formats(formats):
+        raise EdgespecError("--onnx-layers needs --format onnx")
     options = ExportOptions(formats=parse_formats(formats), **parse_quants(quant), coreml_context=coreml_context,
                             draft_max=draft_max, self_draft=self_draft, measure=not no_measure, force=force,
-                            allow_tokenizer_mismatch=allow_tokenizer_mismatch, n_threads=threads)
+                            allow_tokenizer_mismatch=allow_tokenizer_mismatch, n_threads=threads,
+                            onnx_layers=onnx_layers)
     with RichProgress() as progress:
         path = export_bundle(target, out, draft, options, progress)
     manifest = read_manifest(path)

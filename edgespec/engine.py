@@ -196,7 +196,8 @@ class Engine:
              flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
              offload_kqv: bool = True, verbose: bool = False, trees: bool = True,
              memory_guard: "MemoryGuard | None" = None, runtime: str = "llamacpp",
-             onnx_quant: str = "auto", onnx_provider: str = "auto") -> "Engine":
+             onnx_quant: str = "auto", onnx_provider: str = "auto",
+             kv_resident: int | str | None = None) -> "Engine":
         """Load models by catalog name or path (the default: the embedded smallest catalog model).
 
         With a draft model, the target gets room for TREE_BRANCHES sequences so auto mode can verify
@@ -204,15 +205,19 @@ class Engine:
         keeps chains only.
         `runtime`: "llamacpp" (GGUF), "onnx" (a bundle's onnx/target and onnx/draft, or ONNX export
         directories; `onnx_quant` auto = fp32, else int8, else int4; `onnx_provider` see
-        runtimes/onnxrt.py) or "coreml" (a bundle's Core ML packages, macOS 15+; the context is the one
+        runtimes/onnxrt.py; `kv_resident`, e.g. "64M": run the target's layer graphs with that much KV
+        in memory and the rest in a file) or "coreml" (a bundle's Core ML packages, macOS 15+; the context is the one
         fixed at export)."""
         if runtime == "onnx":  # the llama.cpp options (GPU layers, KV types, trees) do not apply
             from edgespec.runtimes.onnxrt import OnnxOptions, load_pair
 
             if target is None:
                 raise EdgespecError("runtime onnx needs a target: a bundle or an ONNX export directory")
+            from edgespec.memory import parse_size
+
             options = OnnxOptions(n_ctx=n_ctx, n_threads=n_threads, provider=onnx_provider, quant=onnx_quant,
-                                  verbose=verbose)
+                                  verbose=verbose,
+                                  kv_resident_bytes=None if kv_resident is None else parse_size(kv_resident))
             return cls(*load_pair(target, draft, options), memory_guard=memory_guard)
         if runtime == "coreml":  # a bundle's Core ML packages; their context was fixed at export
             from edgespec.runtimes.coreml import load_coreml_pair

@@ -140,6 +140,20 @@ def resolve_onnx(name_or_path: str | os.PathLike, quant: str = "auto") -> Path:
                          "or an .onnx file)")
 
 
+def resolve_onnx_layers(name_or_path: str | os.PathLike) -> Path:
+    """The target's layer graphs (managed KV): a bundle's onnx/target-layers, or a layered export directory."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
+        path = path / "onnx" / "target-layers"
+        if not path.is_dir():
+            raise ModelFileError(f"bundle {name_or_path} has no layer graphs for its target; export it with "
+                                 "--format onnx --onnx-layers to offload KV")
+    if not (path / "layers.json").is_file():
+        raise ModelFileError(f"{name_or_path} is not a layered ONNX export (no layers.json); export one with "
+                             "`edgespec export ... --format onnx --onnx-layers`")
+    return path
+
+
 def bundle_onnx_draft(name_or_path: str | os.PathLike | None, quant: str = "auto") -> Path | None:
     """The ONNX draft file a bundle lists (the asked quant where listed, else its best), or None."""
     if name_or_path is None:

@@ -78,6 +78,8 @@ class OnnxOptions:
     quant: str = "auto"          # which file of a directory: auto (fp32, else int8, else int4) | fp32 | int8 | int4
     prefill_chunk: int = 64      # most tokens per graph run: the logits block is prefill_chunk x n_vocab
     verbose: bool = False        # ONNX Runtime's own warnings
+    kv_resident_bytes: int | None = None  # set: run the target's layer graphs with this much KV in memory
+                                          # and the rest in a file (runtimes/onnx_layered.py)
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0 or self.prefill_chunk < 1:
@@ -374,12 +376,19 @@ def _physical_cores() -> int:
 def load_pair(target: str | os.PathLike, draft: str | os.PathLike | None,
               options: OnnxOptions) -> tuple[OnnxRuntime, OnnxRuntime | None]:
     """The runtimes `Engine.load(..., runtime="onnx")` runs: a bundle's ONNX target and draft (the
-    draft unless one is given), or export directories / .onnx files given as they are."""
+    draft unless one is given), or export directories / .onnx files given as they are. With
+    `kv_resident_bytes` the target is its layer graphs (a bundle's onnx/target-layers) under that KV budget."""
     from edgespec.models import store
 
     if draft is None:
         draft = store.bundle_onnx_draft(target, options.quant)
-    target_rt = OnnxRuntime(store.resolve_onnx(target, options.quant), options)
+    if options.kv_resident_bytes is not None:
+        from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime, LayeredOptions
+
+        target_rt = LayeredOnnxRuntime(store.resolve_onnx_layers(target), LayeredOptions(
+            n_ctx=options.n_ctx, n_threads=options.n_threads, resident_budget_bytes=options.kv_resident_bytes))
+    else:
+        target_rt = OnnxRuntime(store.resolve_onnx(target, options.quant), options)
     try:
         draft_rt = OnnxRuntime(store.resolve_onnx(draft, options.quant), options) if draft else None
     except BaseException:

@@ -335,3 +335,31 @@ def test_bundle_option_writes_target_layers(hf_tiny, tmp_path):
     assert manifest["quality"]["onnx"]["target_layers"]["max_abs_logit_diff"] <= LOGIT_TOL
     with _runtime(out / entry["directory"], resident_budget_bytes=_min_budget(out / entry["directory"])) as rt:
         assert rt.decode(_text_ids(out / entry["directory"], 20), 1).shape == (1, rt.n_vocab)
+
+
+def test_cli_export_with_layers_then_generate_with_kv_offloaded(hf_tiny, tmp_path):
+    """The user's path: `export --onnx-layers`, then `generate --runtime onnx --kv-resident SIZE` gives
+    the same greedy tokens as the standard ONNX target with all its KV in memory."""
+    pytest.importorskip("optimum", reason="the bundle's ONNX export needs optimum-onnx")
+    import os
+
+    env = {**os.environ, "EDGESPEC_HOME": str(tmp_path / "home"), "EDGESPEC_DEBUG": ""}
+
+    def edgespec(*args):
+        return subprocess.run([sys.executable, "-m", "edgespec.cli", *map(str, args)], capture_output=True,
+                              text=True, env=env, timeout=600)
+
+    bundle = tmp_path / "bundle"
+    proc = edgespec("export", hf_tiny["llama"], "--draft", hf_tiny["llama_draft"], "--format", "onnx",
+                    "--quant", "onnx:fp32", "--onnx-layers", "--no-measure", "--out", bundle, "--threads", 1)
+    assert proc.returncode == 0, proc.stderr
+    budget = _min_budget(bundle / "onnx" / "target-layers")
+    common = ("generate", "the cat sat on the", "--raw", "--target", bundle, "--runtime", "onnx", "-n", 24,
+              "--temperature", 0, "--ctx", 256, "--threads", 1, "--mode", "draft", "--json")
+    offloaded = edgespec(*common, "--kv-resident", budget)
+    assert offloaded.returncode == 0, offloaded.stderr
+    in_memory = edgespec(*common)
+    assert json.loads(offloaded.stdout)["tokens"] == json.loads(in_memory.stdout)["tokens"]
+    wrong = edgespec("generate", "hi", "--target", bundle, "--kv-resident", "1M")
+    assert wrong.returncode == 2 and wrong.stderr.strip() == \
+        "error: --kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx"
