@@ -41,7 +41,9 @@ class _Named:
 
 
 def measured_acceptance(engine: Engine, prompts: list, max_tokens: int, mode: str) -> np.ndarray:
-    """Per-position acceptance (position i given i-1 passed) over the prompts, at k = 8."""
+    """Per-position acceptance at k = 8 over the prompts, conditional as the policy models it: the rate
+    at position i among rounds whose first i - 1 draft tokens passed (the stats count position i in
+    every round that drafted it; accepted / drafted would be the chance the whole prefix passed)."""
     drafted = np.zeros(8)
     accepted = np.zeros(8)
     for messages in prompts:
@@ -51,7 +53,14 @@ def measured_acceptance(engine: Engine, prompts: list, max_tokens: int, mode: st
         n = len(stats.drafted_at)
         drafted[:n] += stats.drafted_at
         accepted[:n] += stats.accepted_at
-    return accepted / np.maximum(drafted, 1)
+    return conditional_rates(drafted, accepted)
+
+
+def conditional_rates(drafted: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """P(position i passes | 1..i-1 passed): rounds that accepted position i over rounds that reached
+    it (accepted i - 1) and drafted it (lookup drafts stop where the match ends)."""
+    reached = np.minimum(np.concatenate([[np.inf], accepted[:-1]]), drafted)
+    return np.where(reached > 0, accepted / np.maximum(reached, 1), 0.0)
 
 
 def predict(rates: dict[str, np.ndarray]) -> dict:
