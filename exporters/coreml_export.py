@@ -322,6 +322,17 @@ def _write_metadata(package: Path, final: Path, ckpt: Checkpoint, quant: str, ma
 
 # --- inspection (any OS) ----------------------------------------------------------------------------
 
+def describe_feature(f) -> dict:
+    """One input, output or state of a package's spec: name, kind, shape (with flexible ranges), dtype."""
+    if f.type.WhichOneof("Type") == "stateType":
+        arr = f.type.stateType.arrayType
+        return {"name": f.name, "kind": "state", "shape": list(arr.shape), "dtype": _array_dtype(arr.dataType)}
+    arr = f.type.multiArrayType
+    ranges = [[r.lowerBound, r.upperBound] for r in arr.shapeRange.sizeRanges] if arr.HasField("shapeRange") else None
+    return {"name": f.name, "kind": "tensor", "shape": list(arr.shape), "ranges": ranges,
+            "dtype": _array_dtype(arr.dataType)}
+
+
 def describe_package(package: str | os.PathLike) -> dict:
     """What a package holds, read from its spec and MIL program without running it (works on Linux):
     functions with their inputs, outputs and states, weight types per function, and the size on disk."""
@@ -332,15 +343,6 @@ def describe_package(package: str | os.PathLike) -> dict:
     package = Path(package)
     spec = ct.utils.load_spec(str(package))
     desc = spec.description
-
-    def feature(f) -> dict:
-        if f.type.WhichOneof("Type") == "stateType":
-            arr = f.type.stateType.arrayType
-            return {"name": f.name, "kind": "state", "shape": list(arr.shape), "dtype": _array_dtype(arr.dataType)}
-        arr = f.type.multiArrayType
-        ranges = [[r.lowerBound, r.upperBound] for r in arr.shapeRange.sizeRanges] if arr.HasField("shapeRange") else None
-        return {"name": f.name, "kind": "tensor", "shape": list(arr.shape), "ranges": ranges,
-                "dtype": _array_dtype(arr.dataType)}
 
     program = mil_load(spec, specification_version=spec.specificationVersion,
                        file_weights_dir=str(package / "Data" / "com.apple.CoreML" / "weights"))
@@ -358,8 +360,8 @@ def describe_package(package: str | os.PathLike) -> dict:
                 val = op.outputs[0].val
                 if getattr(val, "ndim", 0) == 2 and val.size > 1024 and val.dtype.kind == "f":
                     float_matrices += 1
-        functions[fn.name] = {"inputs": [feature(f) for f in fn.input], "outputs": [feature(f) for f in fn.output],
-                              "states": [feature(f) for f in fn.state], "quantized_weights": quantized,
+        functions[fn.name] = {"inputs": [describe_feature(f) for f in fn.input], "outputs": [describe_feature(f) for f in fn.output],
+                              "states": [describe_feature(f) for f in fn.state], "quantized_weights": quantized,
                               "float_weight_matrices": float_matrices, "ops": ops}
     size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
     weights = package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"

@@ -33,7 +33,7 @@ import numpy as np
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
 from edgespec.exporters.coreml_export import FUNCTIONS, causal_mask
 from edgespec.runtimes.base import MemoryReport, TokenSequence
-from edgespec.runtimes.hf_vocab import HFVocab
+from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
 
 COMPUTE_UNITS = ("cpu_and_gpu", "cpu_only", "cpu_and_ne", "all")
 _REEXPORT = "export it again with `edgespec export --format coreml`"
@@ -97,22 +97,13 @@ def _describe_interface(path: Path) -> dict:
     the MIL program with every weight, which a runtime does not need to learn the interface."""
     import coremltools as ct
 
-    from edgespec.exporters.coreml_export import _array_dtype
+    from edgespec.exporters.coreml_export import describe_feature
 
     spec = ct.utils.load_spec(str(path))
 
-    def feature(f) -> dict:
-        if f.type.WhichOneof("Type") == "stateType":
-            arr = f.type.stateType.arrayType
-            return {"name": f.name, "kind": "state", "shape": list(arr.shape), "dtype": _array_dtype(arr.dataType)}
-        arr = f.type.multiArrayType
-        ranges = [[r.lowerBound, r.upperBound] for r in arr.shapeRange.sizeRanges] if arr.HasField("shapeRange") else None
-        return {"name": f.name, "kind": "tensor", "shape": list(arr.shape), "ranges": ranges,
-                "dtype": _array_dtype(arr.dataType)}
-
     desc = spec.description
-    functions = {fn.name: {"inputs": [feature(f) for f in fn.input], "outputs": [feature(f) for f in fn.output],
-                           "states": [feature(f) for f in fn.state]} for fn in desc.functions}
+    functions = {fn.name: {"inputs": [describe_feature(f) for f in fn.input], "outputs": [describe_feature(f) for f in fn.output],
+                           "states": [describe_feature(f) for f in fn.state]} for fn in desc.functions}
     weights = path / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
     return {"functions": functions, "metadata": dict(desc.metadata.userDefined),
             "weight_bytes": weights.stat().st_size if weights.is_file() else 0,
@@ -239,7 +230,7 @@ class CoreMLOptions:
             raise EdgespecError("n_ctx must be >= 0 (0 = the package's context)")
 
 
-class _PlannedRuntime(TokenSequence):
+class _PlannedRuntime(HFVocabMethods, TokenSequence):
     """Sequence bookkeeping shared by the Core ML runtime and its torch reference: `_run(call, ids)`
     evaluates one planned call and returns its logits (T, n_vocab)."""
 
@@ -294,18 +285,6 @@ class _PlannedRuntime(TokenSequence):
         """Keep the first n positions: the next call's mask ends there, and rows past it get overwritten."""
         self._check_truncate(n)
         self._n_past = n
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self._vocab.token_bytes(token)
-
-    def token_text(self, token: int) -> str:
-        return self._vocab.token_text(token)
-
-    def chat_template(self) -> str | None:
-        return self._vocab.chat_template()
 
     def memory(self) -> MemoryReport:
         """Weights (the package's weight file), the whole KV state, logits rows returned; under `other`

@@ -186,3 +186,21 @@ class HFVocab:
 
     def chat_template(self) -> str | None:
         return self._template
+
+
+class HFVocabMethods:
+    """The Runtime protocol's vocabulary methods, answered by the runtime's `_vocab` (an HFVocab)."""
+
+    _vocab: HFVocab
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._vocab.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self._vocab.token_text(token)
+
+    def chat_template(self) -> str | None:
+        return self._vocab.chat_template()

@@ -38,7 +38,7 @@ from edgespec.errors import EdgespecError, ModelFileError
 from edgespec.exporters.onnx_layers import FORMAT, MANIFEST, SCHEMA  # torch is imported only to export
 from edgespec.kvstore import DEFAULT_BLOCK_TOKENS, KVGeometry, KVStore
 from edgespec.runtimes.base import MemoryReport, TokenSequence
-from edgespec.runtimes.hf_vocab import HFVocab
+from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
 from edgespec.runtimes.onnxrt import _need_ort, _ort_reason, _physical_cores
 
 
@@ -120,7 +120,7 @@ def causal_mask(n_past: int, n_new: int) -> np.ndarray:
     return np.where(cols > n_past + rows, np.float32(-np.inf), np.float32(0.0))[None, None]
 
 
-class LayeredOnnxRuntime(TokenSequence):
+class LayeredOnnxRuntime(HFVocabMethods, TokenSequence):
     """Layer graphs and one KV sequence in a managed store. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime-layered"
@@ -177,20 +177,6 @@ class LayeredOnnxRuntime(TokenSequence):
             raise ModelFileError(f"ONNX Runtime cannot load {path} ({_ort_reason(exc)}): the file is corrupt; "
                                  "export the layers again") from None
         return session
-
-    # -- vocabulary (the tokenizer files beside the graphs) -----------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self._vocab.token_bytes(token)
-
-    def token_text(self, token: int) -> str:
-        return self._vocab.token_text(token)
-
-    def chat_template(self) -> str | None:
-        return self._vocab.chat_template()
 
     # -- KV sequence ------------------------------------------------------------------------------
 

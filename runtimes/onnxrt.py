@@ -46,7 +46,7 @@ import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
 from edgespec.runtimes.base import MemoryReport, TokenSequence
-from edgespec.runtimes.hf_vocab import HFVocab, read_json
+from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods, read_json
 
 # Best first: what provider="auto" picks among the ones this onnxruntime build has.
 PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider",
@@ -138,7 +138,7 @@ def _ort_reason(exc: Exception) -> str:
     return re.sub(r"Load model from .*? failed:\s*", "", text)[:200]  # the caller names the file already
 
 
-class OnnxRuntime(TokenSequence):
+class OnnxRuntime(HFVocabMethods, TokenSequence):
     """An exported with-past ONNX decoder and one KV sequence. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime"
@@ -237,18 +237,6 @@ class OnnxRuntime(TokenSequence):
     def _load_tokenizer(self) -> None:
         self._vocab = HFVocab(self.directory, self.n_vocab, self._config)
         self.vocab = self._vocab.info
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        return self._vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self._vocab.token_bytes(token)
-
-    def token_text(self, token: int) -> str:
-        return self._vocab.token_text(token)
-
-    def chat_template(self) -> str | None:
-        return self._vocab.chat_template()
 
     # -- KV sequence ------------------------------------------------------------------------------
 
