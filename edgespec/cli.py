@@ -28,6 +28,21 @@ app = typer.Typer(
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
 TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .gguf path [default: smollm2-135m]"
+# Options several commands share (one definition, the same flag and help everywhere).
+TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
+THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
+GPU_LAYERS = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]")
+GPU_BUDGET = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]")
+FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]")
+DRAFT = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary")
+CTX = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)")
+RUNTIME = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run")
+CACHE_TYPE_V = typer.Option("f16", help="V cache type (quantized types need flash attention)")
+CACHE_TYPE_K = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0")
+BUDGET = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it")
+TOP_K = typer.Option(40, help="sample among the k most likely tokens (0 = all)")
+REPEAT_PENALTY = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)")
+MIN_P = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)")
 
 
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
@@ -74,34 +89,34 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="the prompt; '-' reads it from standard input"),
-    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
-    draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary"),
+    target: str = TARGET,
+    draft: str = DRAFT,
     mode: str = typer.Option("auto", help="auto (draft model if given, else plain) | ar (plain) | draft | lookup (prompt lookup)"),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens to generate"),
     temperature: float = typer.Option(0.8, help="0 = greedy (deterministic, exactly the target's own output)"),
-    top_k: int = typer.Option(40, help="sample among the k most likely tokens (0 = all)"),
+    top_k: int = TOP_K,
     top_p: float = typer.Option(0.95, help="nucleus sampling: smallest set with this much probability (1 = off)"),
-    min_p: float = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)"),
-    repeat_penalty: float = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)"),
+    min_p: float = MIN_P,
+    repeat_penalty: float = REPEAT_PENALTY,
     seed: int = typer.Option(None, help="random seed for sampling; printed in the stats when not given"),
     stop: list[str] = typer.Option([], "--stop", help="stop when this text appears (repeatable)"),
     draft_max: int = typer.Option(None, help="tokens drafted per round [default: 4]"),
     raw: bool = typer.Option(False, "--raw", help="use the prompt as is, without the model's chat template"),
     system: str = typer.Option(None, help="system message for the chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (text, tokens, stats) instead of streaming"),
-    ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
-    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
-    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
-    flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
-    cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
-    cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
-    runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
+    ctx: int = CTX,
+    threads: int = THREADS,
+    gpu_layers: int = GPU_LAYERS,
+    flash_attn: bool = FLASH_ATTN,
+    cache_type_k: str = CACHE_TYPE_K,
+    cache_type_v: str = CACHE_TYPE_V,
+    runtime: str = RUNTIME,
     kv_resident: str = typer.Option(None, "--kv-resident", help="--runtime onnx: keep this much KV in memory (e.g. 64M) and the rest in a file; needs the bundle's layer graphs (export --onnx-layers)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
     verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec serve --verifier`: draft here (--draft), verify there"),
     api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY", help="bearer token for --verifier"),
     verifier_ca: str = typer.Option(None, "--verifier-ca", help="CA bundle to trust for an https --verifier (self-signed)"),
-    budget: str = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it"),
+    budget: str = BUDGET,
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU, e.g. 6G [default: the GPU's memory]"),
 ) -> None:
     """Generate text for one prompt, speculatively. Text goes to stdout, a stats line to stderr."""
@@ -149,10 +164,10 @@ def _print_stream(stream, as_json: bool) -> None:
 
 @app.command()
 def profile(
-    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    target: str = TARGET,
     draft: str = typer.Option(None, "--draft", "-d", help="draft model to profile with the target"),
     ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens"),
-    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
+    threads: int = THREADS,
     gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: detected]"),
     refresh: bool = typer.Option(False, "--refresh", help="measure again even if a cached profile exists"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -301,10 +316,10 @@ def bench(
 
 @app.command()
 def plan(
-    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
+    target: str = TARGET,
     draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path)"),
     budget: str = typer.Option(..., "--budget", help="memory budget: RAM, or the unified pool (Apple Silicon, Jetson), e.g. 2G, 800M"),
-    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
+    gpu_budget: str = GPU_BUDGET,
     ctx: int = typer.Option(None, "--ctx", "-c", help="context size that must fit [default: the largest of 4096, 2048, 1024, 512 that fits]"),
     draft_max: int = typer.Option(None, help="longest draft length to consider [default: 4]"),
     as_json: bool = typer.Option(False, "--json", help='print {"fits", "predicted_peak_bytes", "breakdown", "settings", ...}'),
@@ -328,28 +343,28 @@ def plan(
 
 @app.command()
 def chat(
-    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
-    draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary"),
+    target: str = TARGET,
+    draft: str = DRAFT,
     mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup)"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="most tokens per answer"),
     temperature: float = typer.Option(0.8, help="0 = greedy"),
-    top_k: int = typer.Option(40, help="sample among the k most likely tokens (0 = all)"),
+    top_k: int = TOP_K,
     top_p: float = typer.Option(0.95, help="nucleus sampling (1 = off)"),
-    min_p: float = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)"),
-    repeat_penalty: float = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)"),
+    min_p: float = MIN_P,
+    repeat_penalty: float = REPEAT_PENALTY,
     seed: int = typer.Option(None, help="random seed for sampling"),
     stop: list[str] = typer.Option([], "--stop", help="end an answer when this text appears (repeatable)"),
     draft_max: int = typer.Option(None, help="tokens drafted per round"),
     system: str = typer.Option(None, help="system message, kept when old turns are dropped"),
-    ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
-    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
-    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
-    flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
-    cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
-    cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
-    budget: str = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it"),
-    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
-    runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
+    ctx: int = CTX,
+    threads: int = THREADS,
+    gpu_layers: int = GPU_LAYERS,
+    flash_attn: bool = FLASH_ATTN,
+    cache_type_k: str = CACHE_TYPE_K,
+    cache_type_v: str = CACHE_TYPE_V,
+    budget: str = BUDGET,
+    gpu_budget: str = GPU_BUDGET,
+    runtime: str = RUNTIME,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
 ) -> None:
     """Chat in the terminal; each turn prefills only what is new. /help lists the commands."""
@@ -373,8 +388,8 @@ def chat(
 
 @app.command()
 def serve(
-    target: str = typer.Option(None, "--target", "-m", help=TARGET_HELP),
-    draft: str = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary"),
+    target: str = TARGET,
+    draft: str = DRAFT,
     mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup), for every request"),
     draft_max: int = typer.Option(None, help="tokens drafted per round"),
     as_verifier: bool = typer.Option(False, "--verifier", help="verify drafts sent by `edgespec generate --verifier URL` "
@@ -397,15 +412,15 @@ def serve(
     idle_timeout: float = typer.Option(600.0, help="--verifier: seconds before an idle session is dropped"),
     rate: float = typer.Option(1000.0, help="--verifier: requests per second allowed per API key"),
     no_batch: bool = typer.Option(False, "--no-batch", help="--verifier: verify one session per llama_decode call"),
-    ctx: int = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)"),
-    threads: int = typer.Option(None, help="CPU threads [default: physical cores]"),
-    gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]"),
-    flash_attn: bool = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]"),
-    cache_type_k: str = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0"),
-    cache_type_v: str = typer.Option("f16", help="V cache type (quantized types need flash attention)"),
+    ctx: int = CTX,
+    threads: int = THREADS,
+    gpu_layers: int = GPU_LAYERS,
+    flash_attn: bool = FLASH_ATTN,
+    cache_type_k: str = CACHE_TYPE_K,
+    cache_type_v: str = CACHE_TYPE_V,
     budget: str = typer.Option(None, "--budget", help="memory budget, e.g. 2G: the plan fits the models and the prefix cache in it"),
-    gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]"),
-    runtime: str = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run"),
+    gpu_budget: str = GPU_BUDGET,
+    runtime: str = RUNTIME,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
