@@ -12,7 +12,10 @@ pinned to core 0 and drafts with one thread. Each cloud-edge mode first tunes it
 * cloud-only: the target decoding alone on the server core (measured there), plus one RTT for the
   request; what a plain streaming API would give at best.
 * sequential: draft a block, send it, wait for the answer, repeat.
-* pipelined: keep drafting ahead while a verification is in flight.
+* pipelined (1 in flight): keep drafting ahead while the one verification is in flight; send the
+  next block once its answer confirms it.
+* pipelined (3 in flight): continuous upload (PipeSD-style): each block goes out as soon as its gate
+  closes, drafted after the blocks in flight and the bonus guessed for each; up to three in flight.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ PROMPTS = [
 RTTS = (10, 50, 100)
 UP_MBIT, DOWN_MBIT = 20.0, 200.0
 KEY = "bench-key-0123456789"
+# mode: (label, CloudOptions overrides)
+MODES = {
+    "sequential": ("sequential", dict(pipelined=False)),
+    "pipelined-1": ("pipelined (1 in flight)", dict(pipelined=True, max_inflight=1)),
+    "pipelined": ("pipelined (3 in flight)", dict(pipelined=True, max_inflight=3)),
+}
 
 
 def free_port() -> int:
@@ -115,7 +124,8 @@ def run_cloud(client, prompt_ids_list, max_tokens: int, repeats: int, warmup: in
                 "verifier_passes": s.verifier_passes, "passes_per_token": s.verifier_passes / s.generated,
                 "bytes_per_token": (s.bytes_sent + s.bytes_received) / s.generated,
                 "bytes_up_per_token": s.bytes_sent / s.generated, "offline_tokens": s.offline_tokens,
-                "predrafted": s.predrafted, "promoted": s.promoted, "wait_s": s.wait_s, "rtt_ms": s.rtt_ms,
+                "predrafted": s.predrafted, "promoted": s.promoted, "stale_blocks": s.stale_blocks,
+                "rebuilds": s.rebuilds, "wait_s": s.wait_s, "rtt_ms": s.rtt_ms,
                 "gate": s.gate,
             })
     return runs
@@ -179,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 url = f"http://127.0.0.1:{proxy_port}"
                 wait_health(url)
                 entry = {}
-                for mode in ("sequential", "pipelined"):
-                    print(f"rtt {rtt} ms, {mode} ...", file=sys.stderr, flush=True)
-                    options = CloudOptions(url, api_key=KEY, pipelined=mode == "pipelined", tune=True,
-                                           tune_trials=10, tune_window_tokens=32, deadline_s=30.0)
+                for mode, (label, overrides) in MODES.items():
+                    print(f"rtt {rtt} ms, {label} ...", file=sys.stderr, flush=True)
+                    options = CloudOptions(url, api_key=KEY, tune=True, tune_trials=10, tune_window_tokens=32,
+                                           deadline_s=30.0, **overrides)
                     with CloudEdgeClient.load(draft, options, n_ctx=2048, n_threads=1) as client:
                         entry[mode] = run_cloud(client, prompt_ids, args.max_tokens, args.repeats, args.warmup)
                 results["rtts"][str(rtt)] = entry
@@ -219,30 +229,31 @@ def render(results: dict, command: str) -> str:
         "target forward pass on the server, prompt prefill and session rebuilds included; bytes/token counts HTTP "
         "bodies and headers in both directions.", "",
         "| RTT | system | tok/s | × sequential | passes/token | 1/MAL + 0.05 | mean accepted length | bytes/token "
-        "(up) | promoted / predrafted |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(up) | promoted / predrafted | stale blocks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rtt, entry in results["rtts"].items():
         seq = median(entry["sequential"], "tokens_per_s")
         cloud_only = statistics.median(r["generated"] / (r["decode_s"] + int(rtt) / 1000) for r in cloud_plain)
-        lines.append(f"| {rtt} ms | edge-only (draft model alone) | {edge:.1f} | {edge / seq:.2f} | - | - | - | 0 | - |")
+        lines.append(f"| {rtt} ms | edge-only (draft model alone) | {edge:.1f} | {edge / seq:.2f} | - | - | - | 0 | - "
+                     "| - |")
         lines.append(f"| {rtt} ms | cloud-only (target alone on the server core + 1 RTT) | {cloud_only:.1f} | "
-                     f"{cloud_only / seq:.2f} | 1.00 | - | 1 | - | - |")
-        for mode in ("sequential", "pipelined"):
+                     f"{cloud_only / seq:.2f} | 1.00 | - | 1 | - | - | - |")
+        for mode, (label, _) in MODES.items():
             runs = entry[mode]
             tps = median(runs, "tokens_per_s")
             mal = median(runs, "mean_accepted_length")
             promoted = sum(r["promoted"] for r in runs)
             predrafted = sum(r["predrafted"] for r in runs)
-            lines.append(f"| {rtt} ms | {mode} cloud-edge | {tps:.1f} | {tps / seq:.2f} | "
+            lines.append(f"| {rtt} ms | {label} cloud-edge | {tps:.1f} | {tps / seq:.2f} | "
                          f"{median(runs, 'passes_per_token'):.3f} | {1 / mal + 0.05:.3f} | {mal:.2f} | "
                          f"{median(runs, 'bytes_per_token'):.0f} ({median(runs, 'bytes_up_per_token'):.0f}) | "
-                         f"{promoted} / {predrafted} |")
+                         f"{promoted} / {predrafted} | {sum(r['stale_blocks'] for r in runs)} |")
     lines += ["", "Gates found by the online tuner (last measured run):", ""]
     for rtt, entry in results["rtts"].items():
-        for mode in ("sequential", "pipelined"):
+        for mode, (label, _) in MODES.items():
             g = entry[mode][-1]["gate"]
-            lines.append(f"- RTT {rtt} ms, {mode}: token threshold {g['token_threshold']:.2f}, product threshold "
+            lines.append(f"- RTT {rtt} ms, {label}: token threshold {g['token_threshold']:.2f}, product threshold "
                          f"{g['product_threshold']:.2f}, max block {g['max_block']}")
     return "\n".join(lines) + "\n"
 

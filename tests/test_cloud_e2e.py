@@ -1,10 +1,11 @@
 """Cloud-edge speculation end to end, against a real verifier process on 127.0.0.1.
 
-Greedy output through the network equals plain decoding of the target (up to near-ties); sampled
-output follows the target's exact joint distribution (chi-square, with a wrong client the same test
-must catch); the client falls back to its local model when the server dies or stalls and resumes
-when it returns; eight concurrent clients each get what they get alone; the CLI works and fails
-cleanly.
+Greedy output through the network equals plain decoding of the target (up to near-ties), with
+one block at a time or several in flight; sampled output follows the target's exact joint
+distribution (chi-square, with a wrong client the same test must catch); blocks sent ahead whose
+assumption failed cost the server no forward pass; the client falls back to its local model when
+the server dies or stalls and resumes when it returns; eight concurrent clients each get what they
+get alone; the CLI works and fails cleanly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cloud_helpers import API_KEY, VerifierProcess, free_port
 from conftest import load_runtime
 from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
 from edgespec.cloud.protocol import compact_row
+from edgespec.cloud.proxy import LinkProxy
 from edgespec.engine import Engine, GenerationConfig
 from lossless import compare_greedy
 from test_lossless_greedy import PROMPTS
@@ -39,6 +41,13 @@ def client_for(draft_path, url, **options):
 # --- greedy: SmolLM2 target on the server, its Q4_0 copy drafting on the device ---------------------
 
 MAX_TOKENS = 40
+# SmolLM2 Q4_1 on this llama.cpp build: the target's own one-token and batched evaluations of the same
+# context differ by up to 0.15 logit at a near-tie (PROMPTS[1], position 7, without flash attention;
+# 0.54 with it), above lossless.NEAR_TIE_GAP. A wrong token is several logits away.
+CPU_NEAR_TIE_GAP = 0.3
+# PROMPTS 1 and 2 have near-ties of 0.03 to 0.15 logit there, where the network's output may take
+# either token: they stay in (the gap check decides each divergence).
+CLEAN_PROMPTS = PROMPTS[:8]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,7 @@ def smol_server(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol_target(smollm2_path):
-    engine = Engine(load_runtime(smollm2_path, n_threads=1))
+    engine = Engine(load_runtime(smollm2_path, n_threads=1, flash_attn=False))  # computes as the verifier does
     yield engine
     engine.close()
 
@@ -60,25 +69,38 @@ def plain(engine, ids, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_greedy_through_the_network_is_the_targets_output(smol_server, smol_target, smollm2_draft, pipelined):
-    prompts = PROMPTS[:6] if pipelined else PROMPTS[6:8]
-    with client_for(smollm2_draft, smol_server.url, pipelined=pipelined, tune=pipelined) as client:
-        identical = 0
+@pytest.mark.parametrize("mode", ["pipelined", "pipelined-1", "sequential"])
+def test_greedy_through_the_network_is_the_targets_output(smol_server, smol_target, smollm2_draft, mode):
+    """Several blocks in flight (over a 30 ms link, so that they are), one in flight, sequential."""
+    prompts = {"pipelined": CLEAN_PROMPTS, "pipelined-1": CLEAN_PROMPTS[3:6], "sequential": CLEAN_PROMPTS[6:]}[mode]
+    options = dict(pipelined=mode != "sequential", max_inflight=3 if mode == "pipelined" else 1,
+                   tune=mode == "pipelined")
+    with LinkProxy("127.0.0.1", smol_server.port, rtt_ms=30 if mode == "pipelined" else 0) as link, \
+            client_for(smollm2_draft, f"http://127.0.0.1:{link.port}", **options) as client:
+        identical, stale = 0, 0
         for prompt in prompts:
             ids = smol_target.prompt_tokens(prompt)
             expected = plain(smol_target, ids, MAX_TOKENS)
             result = client.generate_tokens(ids, GenerationConfig(max_tokens=MAX_TOKENS, **GREEDY))
             s = result.stats
             c = compare_greedy(smol_target.target, ids, expected, result.tokens)
-            assert c.near_tie, f"{prompt!r}: diverged at {c.first_divergence} with logit gap {c.gap}"
+            assert c.identical or abs(c.gap) <= CPU_NEAR_TIE_GAP, \
+                f"{prompt!r}: diverged at {c.first_divergence} with logit gap {c.gap}"
             identical += c.identical
+            if not c.identical:
+                print(f"\n{prompt!r}: near-tie at {c.first_divergence}, gap {c.gap:.3f}")
             assert s.offline_tokens == 0 and s.rounds > 0 and s.generated == len(result.tokens)
-            # the server spent one pass per verification plus one for the prompt (short prompts: one chunk)
+            # the server spent one pass per verification plus one for the prompt (short prompts: one
+            # chunk), and none on the blocks sent ahead that turned out stale
             assert s.verifier_passes == s.rounds + 1, s.to_dict()
             assert s.bytes_sent > 0 and s.bytes_received > 0
-        print(f"\npipelined={pipelined}: {identical}/{len(prompts)} identical; last stats {s.to_dict()}")
-        assert identical >= len(prompts) - 1
+            stale += s.stale_blocks
+        print(f"\n{mode}: {identical}/{len(prompts)} identical, {stale} stale blocks; last stats {s.to_dict()}")
+        assert identical >= len(prompts) - len(prompts) // 4  # at most a quarter diverge, each at a near-tie
+        if mode == "pipelined":
+            assert stale > 0, "no block was sent ahead and found stale: the multi-block path was not exercised"
+        else:
+            assert stale == 0
 
 
 # --- sampling: the exact joint distribution of the first tokens, tiny models -----------------------
@@ -130,31 +152,37 @@ class FlattenedClient(CloudEdgeClient):
 
 
 def sample_cloud(client, n_samples=N_SAMPLES):
-    out, promoted = [], 0
+    out, promoted, stale = [], 0, 0
     for seed in range(n_samples):
         r = client.generate_tokens(TINY_PROMPT, GenerationConfig(max_tokens=N_TOKENS, seed=seed, **SAMPLING))
-        assert len(r.tokens) == N_TOKENS and r.stats.offline_tokens == 0
+        s = r.stats
+        assert len(r.tokens) == N_TOKENS and s.offline_tokens == 0
+        assert s.verifier_passes == s.rounds + 1, s.to_dict()  # stale blocks cost no pass
         out.append(tuple(r.tokens))
-        promoted += r.stats.promoted
-    return out, promoted
+        promoted += s.promoted
+        stale += s.stale_blocks
+    return out, promoted, stale
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_kind,pipelined,probs_k,max_block", [
-    ("good_draft", True, 3, 1),     # top-4 rows truncated to 3 entries; one-token blocks, promotions
-    ("medium_draft", False, 4, 2),  # sequential, whole top-4 rows, residual draws
+@pytest.mark.parametrize("draft_kind,max_inflight,probs_k,max_block", [
+    ("good_draft", 3, 3, 1),     # one-token blocks, three in flight (promotions, stale blocks); top-4 rows cut to 3
+    ("medium_draft", 0, 4, 2),   # sequential, whole top-4 rows, residual draws
 ])
-def test_sampling_through_the_network_matches_the_target(tiny_models, tiny_server, joint4, draft_kind, pipelined,
+def test_sampling_through_the_network_matches_the_target(tiny_models, tiny_server, joint4, draft_kind, max_inflight,
                                                          probs_k, max_block):
     gate = Gate(token_threshold=0.0, product_threshold=0.0, max_block=max_block)
-    with client_for(tiny_models[draft_kind], tiny_server.url, pipelined=pipelined, probs_k=probs_k, gate=gate) as c:
-        samples, promoted = sample_cloud(c)
+    with client_for(tiny_models[draft_kind], tiny_server.url, pipelined=max_inflight > 0,
+                    max_inflight=max(1, max_inflight), probs_k=probs_k, gate=gate) as c:
+        samples, promoted, stale = sample_cloud(c)
     assert set(samples) <= set(joint4)
     p = chi_square_pvalue(samples, joint4)
-    print(f"\n{draft_kind} pipelined={pipelined} k={probs_k}: chi-square p = {p:.4f}, promoted {promoted}")
+    print(f"\n{draft_kind} in flight={max_inflight} k={probs_k}: chi-square p = {p:.4f}, promoted {promoted}, "
+          f"stale blocks {stale}")
     assert p > ALPHA
-    if pipelined:
+    if max_inflight:
         assert promoted > 0, "the pipelined path (drafting ahead, then promoting) was not exercised"
+        assert stale > 0, "no block sent ahead was found stale: the multi-block path was not exercised"
 
 
 @pytest.mark.slow
@@ -164,7 +192,7 @@ def test_the_test_rejects_a_client_that_sends_other_probabilities(tiny_models, t
                              CloudOptions(tiny_server.url, api_key=API_KEY, tune=False, pipelined=False, probs_k=4,
                                           gate=gate))
     with client:
-        samples, _ = sample_cloud(client)
+        samples, _, _ = sample_cloud(client)
     p = chi_square_pvalue(samples, joint4)
     print(f"\nwrong client: p = {p:.2e}")
     assert p < ALPHA

@@ -1,11 +1,14 @@
 """The cloud-edge protocol: strict decoding, compact probabilities, and a live verifier that answers
-every malformed, oversized, unauthenticated or out-of-vocabulary message with a 4xx and keeps serving."""
+every malformed, oversized, unauthenticated or out-of-vocabulary message with a 4xx and keeps serving,
+and serves the blocks of one session in revision order however they arrive (protocol 1.1)."""
 
 from __future__ import annotations
 
 import shutil
 import ssl
 import subprocess
+import threading
+import time
 
 import httpx
 import msgpack
@@ -59,12 +62,23 @@ def test_messages_round_trip():
     verify = VerifyRequest(3, 10, np.array([0], dtype=np.int32), CompactProbs(ids[None], w[None]))
     back = VerifyRequest.from_wire(unpack(pack(verify.to_wire()), LIMITS), LIMITS)
     assert back.draft.tolist() == [0] and np.array_equal(back.probs.weights, w[None])
+    assert back.assume_last is None and not {"assume_from", "assume_last"} & set(verify.to_wire())  # still 1.0
+    ahead = VerifyRequest(4, 12, np.array([5, 6], dtype=np.int32), None, assume_from=2, assume_last=9)
+    back = VerifyRequest.from_wire(unpack(pack(ahead.to_wire()), LIMITS), LIMITS)
+    assert (back.revision, back.n_past, back.assume_from, back.assume_last) == (4, 12, 2, 9)
+    assert back.draft.tolist() == [5, 6]
 
 
 def _verify_wire(**over) -> dict:
     msg = VerifyRequest(0, 5, np.array([7, 8], dtype=np.int32)).to_wire()
     msg.update(over)
     return msg
+
+
+def _ahead_wire(**over) -> dict:
+    msg = VerifyRequest(3, 9, np.array([7, 8], dtype=np.int32), None, assume_from=1, assume_last=4).to_wire()
+    msg.update(over)
+    return {k: v for k, v in msg.items() if v is not ...}
 
 
 @pytest.mark.parametrize("message,status", [
@@ -80,6 +94,19 @@ def _verify_wire(**over) -> dict:
     (_verify_wire(revision=-1), 422),
     (_verify_wire(revision=1.5), 422),
     (_verify_wire(n_past=10**9), 422),
+    (_ahead_wire(assume_last=N_VOCAB), 422),                               # assumed token outside the vocabulary
+    (_ahead_wire(assume_last=-1), 422),
+    (_ahead_wire(assume_last="7"), 422),                                   # not an integer
+    (_ahead_wire(assume_last=True), 422),
+    (_ahead_wire(assume_last=7.0), 422),
+    (_ahead_wire(assume_last=None), 422),
+    (_ahead_wire(assume_last=[7]), 422),
+    (_ahead_wire(assume_from=3), 422),                                     # a chain starts before its blocks
+    (_ahead_wire(assume_from=-1), 422),
+    (_ahead_wire(assume_from=None), 422),
+    (_ahead_wire(revision=0, assume_from=0), 422),
+    (_ahead_wire(assume_from=...), 400),                                   # one without the other
+    (_ahead_wire(assume_last=...), 400),
 ])
 def test_verify_request_validation(message, status):
     with pytest.raises(ProtocolError) as err:
@@ -207,6 +234,128 @@ def test_sessions_are_bounded_with_lru_eviction(server):
     assert stats["sessions"] <= 4 and stats["evicted"] >= 1
 
 
+# --- several blocks of one session in flight (protocol 1.1) -----------------------------------------
+
+def verify_wire(revision: int, n_past: int, draft, assume: tuple[int, int] | None = None) -> dict:
+    """`assume`: (assume_from, assume_last) for a block sent ahead."""
+    from_, last = assume or (None, None)
+    return VerifyRequest(revision, n_past, np.array(draft, np.int32), None, from_, last).to_wire()
+
+
+def server_stats(url: str) -> dict:
+    return answer(httpx.get(url + "/v1/stats", headers={"Authorization": f"Bearer {API_KEY}"}, trust_env=False))
+
+
+def greedy_tokens(url: str, n: int) -> list[int]:
+    """The target's next n greedy tokens after start_session's prompt, one empty draft at a time."""
+    s = start_session(url)
+    revision, n_past, out = s["revision"], s["n_past"], []
+    for _ in range(n):
+        a = answer(post(url, f"/v1/sessions/{s['session_id']}/verify", verify_wire(revision, n_past, [])))
+        revision, n_past = a["revision"], a["n_past"]
+        out.append(a["token"])
+    return out
+
+
+class Later(threading.Thread):
+    """A POST on its own connection, in the background: `.response` once the server has answered."""
+
+    def __init__(self, url: str, path: str, body: dict):
+        super().__init__(daemon=True)
+        self.request, self.response = (url, path, body), None
+        self.start()
+
+    def run(self) -> None:
+        self.response = post(*self.request)
+
+
+def test_a_block_sent_ahead_is_served_after_the_block_it_follows(server):
+    g = greedy_tokens(server.url, 4)
+    s = start_session(server.url)
+    revision, n, path = s["revision"], s["n_past"], f"/v1/sessions/{s['session_id']}/verify"
+    before = server_stats(server.url)
+    # block i+1 arrives first: it assumes block i = [g0] all accepted with the bonus g1
+    second = Later(server.url, path, verify_wire(revision + 1, n + 2, [g[2]], assume=(revision, g[1])))
+    time.sleep(0.5)
+    assert second.response is None, "a block sent ahead must wait for the block it follows"
+    first = post(server.url, path, verify_wire(revision, n, [g[0]]))
+    second.join(10)
+    a, b = answer(first), answer(second.response)
+    assert first.status_code == 200 and (a["n_accepted"], a["token"], a["revision"], a["n_past"]) == \
+        (1, g[1], revision + 1, n + 2), a
+    assert second.response.status_code == 200, b
+    assert (b["n_accepted"], b["token"], b["revision"], b["n_past"]) == (1, g[3], revision + 2, n + 4)
+    after = server_stats(server.url)
+    assert after["waited"] == before["waited"] + 1 and after["passes"] == before["passes"] + 2
+
+
+def test_a_block_whose_assumption_failed_is_answered_stale_without_a_pass(server):
+    g = greedy_tokens(server.url, 2)
+    wrong = (g[1] + 1) % N_VOCAB
+    s = start_session(server.url)
+    revision, n, path = s["revision"], s["n_past"], f"/v1/sessions/{s['session_id']}/verify"
+    before = server_stats(server.url)
+    # chain `revision`: block i = [g0], then a block assuming the bonus `wrong` after it, sent first
+    ahead = Later(server.url, path, verify_wire(revision + 1, n + 2, [5], assume=(revision, wrong)))
+    time.sleep(0.5)
+    first = post(server.url, path, verify_wire(revision, n, [g[0]]))
+    a = answer(first)
+    assert first.status_code == 200 and (a["n_accepted"], a["token"]) == (1, g[1])
+    ahead.join(10)
+    assert ahead.response.status_code == 409 and answer(ahead.response)["error"] == "stale"
+    further = Later(server.url, path, verify_wire(revision + 2, n + 4, [5], assume=(revision, 7)))  # waits
+    late = post(server.url, path, verify_wire(revision + 1, n + 2, [5], assume=(revision, wrong)))
+    assert late.status_code == 409 and answer(late)["error"] == "stale"  # arriving after: at once
+    # the client's next chain starts from block i's answer and reuses the dead chain's revisions
+    root = post(server.url, path, verify_wire(a["revision"], a["n_past"], []))
+    b = answer(root)
+    assert root.status_code == 200 and b["revision"] == revision + 2
+    further.join(10)
+    assert further.response.status_code == 409 and answer(further.response)["error"] == "stale"
+    # the state's revision, length and last token as the dead chain could have assumed them: still stale
+    ghost = post(server.url, path, verify_wire(b["revision"], b["n_past"], [5], assume=(revision, b["token"])))
+    assert ghost.status_code == 409 and answer(ghost)["error"] == "stale"
+    after = server_stats(server.url)
+    assert after["passes"] == before["passes"] + 2, "a stale block cost a forward pass"
+    assert after["stale"] == before["stale"] + 4
+    # a block of the live chain, assuming exactly the state there is, is served at once
+    nxt = post(server.url, path, verify_wire(b["revision"], b["n_past"], [5], assume=(a["revision"], b["token"])))
+    assert nxt.status_code == 200, answer(nxt)
+
+
+def test_a_rebuild_ends_every_chain_of_the_session(server):
+    s = start_session(server.url)
+    path = f"/v1/sessions/{s['session_id']}/verify"
+    t0 = time.monotonic()
+    waiting = Later(server.url, path, verify_wire(1, 5, [5], assume=(0, 7)))  # behind a block that never comes
+    time.sleep(0.3)
+    rebuilt = post(server.url, "/v1/sessions", SessionRequest(np.array([295, 104, 101], dtype=np.int32), GREEDY, 7,
+                                                              resume=s["session_id"]).to_wire())
+    assert rebuilt.status_code == 200 and answer(rebuilt)["revision"] == 1
+    waiting.join(5)
+    assert waiting.response.status_code == 409 and answer(waiting.response)["error"] == "stale"
+    assert time.monotonic() - t0 < 1.5, "answered by the rebuild, not by the order timeout"
+    # the rebuilt state (revision 1, the 3 tokens, last 101) was made by no chain of blocks
+    r = post(server.url, path, verify_wire(1, 3, [5], assume=(0, 101)))
+    assert r.status_code == 409 and answer(r)["error"] == "stale"
+
+
+def test_blocks_waiting_for_an_earlier_one_are_bounded_and_time_out(server):
+    s = start_session(server.url)
+    revision, n, path = s["revision"], s["n_past"], f"/v1/sessions/{s['session_id']}/verify"
+    t0 = time.monotonic()
+    # nine blocks ahead of a block that never comes: eight may wait (the server's bound), for 2 s
+    waiters = [Later(server.url, path, verify_wire(revision + 1 + j, n + 2 * (j + 1), [5], assume=(revision, 5)))
+               for j in range(9)]
+    for w in waiters:
+        w.join(15)
+    codes = sorted(w.response.status_code for w in waiters)
+    assert codes == [409] * 8 + [429], codes
+    assert all(answer(w.response)["error"] == "stale" for w in waiters if w.response.status_code == 409)
+    assert time.monotonic() - t0 >= 1.9
+    assert post(server.url, path, verify_wire(revision, n, [])).status_code == 200  # the session is fine
+
+
 # Arbitrary msgpack-able values, and maps that look like protocol messages with wrong contents.
 values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70).filter(lambda i: -2**63 <= i < 2**64)
                       | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=64),
@@ -217,7 +366,8 @@ look_alike = st.fixed_dictionaries({"v": st.sampled_from([1, 1, 1, 0, 2, "1"]), 
                                     "n_past": st.integers(-2, 6), "draft": token_bytes | st.binary(max_size=9)},
                                    optional={"probs": values | st.fixed_dictionaries(
                                        {"k": st.integers(0, 3), "ids": token_bytes, "w": st.binary(max_size=12)}),
-                                       "junk": values})
+                                       "assume_from": st.integers(-2, 4) | values,
+                                       "assume_last": st.integers(-3, N_VOCAB + 3) | values, "junk": values})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -225,6 +375,7 @@ look_alike = st.fixed_dictionaries({"v": st.sampled_from([1, 1, 1, 0, 2, "1"]), 
                          look_alike.map(lambda v: msgpack.packb(v, use_bin_type=True))),
        path=st.sampled_from(["/v1/sessions", "/v1/sessions/SID/verify", "/v1/sessions/nope/verify"]))
 def test_fuzz_the_server_answers_4xx_and_stays_up(server, fuzz_session, payload, path):
+    # (a valid request naming a later revision waits up to the server's order timeout, 2 s, then 409)
     r = post(server.url, path.replace("SID", fuzz_session), payload)
     if r.status_code == 200:  # a random message can be valid (a stale-free verify, a tiny session)
         return
@@ -280,7 +431,7 @@ def test_multi_sequence_runtime_matches_one_sequence_at_a_time(tiny_pair):
     from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
 
     multi = LlamaCppMultiSeqRuntime(tiny_pair["target"], LlamaCppOptions(n_ctx=512, n_threads=1), n_seq=3)
-    single = load_runtime(tiny_pair["target"], n_ctx=256, n_threads=1)
+    single = load_runtime(tiny_pair["target"], n_ctx=256, n_threads=1, flash_attn=False)  # as the verifier runs
     try:
         a, b = [295, 104, 101, 108, 108, 111], [295, 116, 104, 101]
         out = multi.decode_batch([(0, a, 2), (2, b, 1)])

@@ -4,23 +4,31 @@ One loop, one thread of drafting, requests on a small thread pool. The drafter g
 draft tokens past the committed ones; the chain is cut into blocks, each ending at a token whose
 confidence is below R2, where the product of the block's confidences falls to R1, or at a length cap.
 
-    no request in flight: send the chain's first block once it is complete; its length cap is the
+    continuous upload (PipeSD-style): up to `max_inflight` blocks are in flight at once. Block i+1
+        is drafted after block i plus the bonus token b_i the draft itself predicts after block i,
+        and goes out as soon as its gate closes, naming the state it assumes (revision and n_past
+        after block i fully accepted, b_i as `assume_last`, and as `assume_from` the revision of the
+        chain's first block, the last one sent with nothing ahead of it). Each block's length cap is the
         gate's, or less: the length that maximises tokens/s given the measured acceptance rate,
         draft step time and answer time (RTT + bytes / bandwidth + server time)
-    a request in flight: keep drafting the chain as if the block will all be accepted
-    the answer: commit accepted + correction/bonus (Engine.accept_step); when everything was
-        accepted and the bonus equals the token drafted after the block, the rest of the chain was
-        drafted on exactly this outcome and goes out next; otherwise it is dropped and drafting
-        resumes from the correction
+    an answer (oldest block first, looked at after every draft step): commit accepted +
+        correction/bonus (Engine.accept_step). When everything was accepted and the bonus equals
+        b_i, the blocks behind were drafted on exactly this outcome and stay in flight; otherwise
+        they are stale (the server answers them 409 stale without a forward pass, and the client
+        ignores those answers) and drafting resumes from the correction
     no answer by the deadline, or no server: decode with the local model (plain decoding), emit
         those tokens as they are (unverified context, counted in `offline_tokens`), probe the server
         and rebuild the session from the token history when it is back
 
-Sequential mode (the baseline) sends complete blocks only and drafts nothing while waiting.
+With `max_inflight=1` the device still drafts ahead while its one block is in flight, and sends the
+next block once the answer has confirmed it. Sequential mode (the baseline) sends complete blocks
+only and drafts nothing while waiting.
 
 Sampling stays lossless because the device draws each draft token from exactly the compact
 distribution it sends (top-k, uint16 weights: `protocol.compact_row`), and the server's acceptance
-draws are independent of the device's. Block boundaries depend only on the draft's own
+draws are independent of the device's. That holds for blocks drafted after an assumed bonus too:
+such a block is verified only when the bonus is what was committed, so it is a draft of the
+committed context drawn from the q it carries. Block boundaries depend only on the draft's own
 confidences, which leaves rejection sampling exact. Greedy needs no probabilities at all.
 
 Thresholds (R1, R2, length cap) are tuned online by Bayesian optimisation (optuna's TPE) on the
@@ -76,6 +84,7 @@ class CloudOptions:
     url: str
     api_key: str | None = None
     pipelined: bool = True           # False: send, wait, then draft again (the sequential baseline)
+    max_inflight: int = 3            # blocks in flight at once when pipelined (1: one block, drafting ahead)
     gate: Gate = Gate()
     probs_k: int = 16                # probability entries sent per drafted token when sampling
     tune: bool = True                # tune the gate online (optuna)
@@ -93,6 +102,8 @@ class CloudOptions:
             raise EdgespecError(f"--verifier must be an http:// or https:// URL, got {self.url!r}")
         if not 1 <= self.probs_k <= 1024:
             raise EdgespecError("probs_k must be between 1 and 1024")
+        if not 1 <= self.max_inflight <= 16:
+            raise EdgespecError("max_inflight must be between 1 and 16")
 
 
 @dataclass
@@ -107,7 +118,8 @@ class CloudStats(GenerationStats):
     requests: int = 0
     rebuilds: int = 0
     predrafted: int = 0          # tokens drafted ahead while a verification was in flight
-    promoted: int = 0            # of those, sent on without redrafting
+    promoted: int = 0            # of those, kept by the answer they were drafted behind (counted once)
+    stale_blocks: int = 0        # blocks sent ahead whose assumed state did not happen (answered stale)
     wait_s: float = 0.0          # time the drafter had nothing to do but wait for an answer
     rtt_ms: float = 0.0
     uplink_mbit_s: float = 0.0
@@ -122,6 +134,7 @@ class CloudStats(GenerationStats):
         d.update(verifier_passes=self.verifier_passes, bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
                  offline_tokens=self.offline_tokens, offline_spans=[list(s) for s in self.offline_spans],
                  requests=self.requests, rebuilds=self.rebuilds, predrafted=self.predrafted, promoted=self.promoted,
+                 stale_blocks=self.stale_blocks,
                  wait_s=round(self.wait_s, 6), rtt_ms=round(self.rtt_ms, 3),
                  uplink_mbit_s=round(self.uplink_mbit_s, 3), gate=self.gate,
                  verifier_passes_per_token=round(self.verifier_passes / self.generated, 4) if self.generated else 0.0)
@@ -150,8 +163,11 @@ class NetworkMonitor:
         self.drafted = self.accepted = 0.0
         self._rtt, self._s_per_byte = 0.05, 0.0
 
-    def observe(self, nbytes: int, total_s: float, server_s: float) -> None:
-        self.server_s = server_s if not self.samples else 0.8 * self.server_s + 0.2 * server_s
+    def observe(self, nbytes: int, total_s: float, server_s: float, server_time: bool = True) -> None:
+        """`server_time` False: server_s includes waiting for an earlier block (a block sent ahead),
+        which says nothing about the server's speed; the network part still does."""
+        if server_time:
+            self.server_s = server_s if not self.samples else 0.8 * self.server_s + 0.2 * server_s
         self.samples.append((float(nbytes), max(0.0, total_s - server_s)))
         x = np.array([s[0] for s in self.samples])
         y = np.array([s[1] for s in self.samples])
@@ -171,15 +187,24 @@ class NetworkMonitor:
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.8
 
-    def best_block(self, cap: int) -> int:
-        """Block length that maximises tokens per second when every token is accepted with the
-        measured rate a: (1 - a^(m+1)) / (1 - a) tokens per round, m draft steps plus one answer."""
+    def best_block(self, cap: int, inflight: int = 0) -> int:
+        """Block length m that maximises tokens per second when every token is accepted with the
+        measured rate a: a block yields (1 - a^(m+1)) / (1 - a) tokens after m draft steps (d each)
+        and one answer (L).
+
+        Drafting ahead (`inflight` blocks at most): the block behind one stays valid with
+        p = a^(m+1) (all accepted, bonus drafted right), so each restart is followed by on average
+        S = p / (1 - p) valid blocks, one every max((m+1) d, L / inflight). Sequential: S = 0."""
         if not self.samples or self.draft_step_s == 0:
             return cap
-        a = min(self.acceptance, 0.99)
+        a, d = min(self.acceptance, 0.99), self.draft_step_s
         answer = self.expected_answer_s(200 + 100 * cap)
         m = np.arange(1, cap + 1)
-        rate = (1 - a ** (m + 1)) / (1 - a) / (m * self.draft_step_s + answer)
+        tokens = (1 - a ** (m + 1)) / (1 - a)
+        p = a ** (m + 1) if inflight else np.zeros(len(m))
+        runs = p / (1 - p)
+        interval = np.maximum((m + 1) * d, answer / max(1, inflight))
+        rate = (1 + runs) * tokens / (m * d + answer + runs * interval)
         return int(m[np.argmax(rate)])
 
     def observe_draft_step(self, seconds: float) -> None:
@@ -253,7 +278,7 @@ class VerifierError(Exception):
 class _Http:
     """msgpack over HTTP with byte counting. Thread-safe (httpx.Client is)."""
 
-    def __init__(self, url: str, api_key: str | None, ca_file: str | None):
+    def __init__(self, url: str, api_key: str | None, ca_file: str | None, max_connections: int = 8):
         import httpx
 
         self.httpx = httpx
@@ -263,7 +288,8 @@ class _Http:
         verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, verify=verify,
                                    timeout=httpx.Timeout(60.0, connect=3.0), trust_env=False,
-                                   limits=httpx.Limits(max_connections=8, max_keepalive_connections=4))
+                                   limits=httpx.Limits(max_connections=max_connections,
+                                                       max_keepalive_connections=max_connections))
         self._lock = threading.Lock()
         self.sent = 0
         self.received = 0
@@ -307,8 +333,9 @@ class _Http:
 class _Chain:
     """Drafted tokens beyond the committed ones, with their confidences and compact distributions.
 
-    While a block is in flight it is the chain's first `inflight` tokens; the token after them is the
-    bonus the drafter assumes; what follows is drafted ahead for the next block.
+    With blocks in flight (`_Pipeline`) the chain is block_0, b_0, block_1, b_1, ...: each block in
+    flight followed by the bonus token the drafter assumes the verifier will give after it; what
+    follows the last of them is being drafted for the next block.
     """
 
     def __init__(self) -> None:
@@ -316,35 +343,44 @@ class _Chain:
         self.conf: list[float] = []
         self.ids: list = []
         self.weights: list = []
+        self.ahead: list[bool] = []  # drafted while a block was in flight, and not yet kept by an answer
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, conf: float, ids, weights) -> None:
+    def add(self, token: int, conf: float, ids, weights, ahead: bool) -> None:
         self.tokens.append(token)
         self.conf.append(conf)
         self.ids.append(ids)
         self.weights.append(weights)
+        self.ahead.append(ahead)
 
     def drop(self, n: int) -> None:
-        del self.tokens[:n], self.conf[:n], self.ids[:n], self.weights[:n]
+        del self.tokens[:n], self.conf[:n], self.ids[:n], self.weights[:n], self.ahead[:n]
 
-    def block_end(self, gate: Gate, room: int, eog: frozenset[int]) -> int | None:
-        """Length of the first block: through the first token whose confidence is below the
-        token threshold, or where the product falls to the product threshold, or an
+    def promote(self) -> int:
+        """An answer kept the rest of the chain: count the tokens drafted ahead that it kept first."""
+        n = sum(self.ahead)
+        self.ahead = [False] * len(self)
+        return n
+
+    def block_end(self, gate: Gate, room: int, eog: frozenset[int], start: int = 0) -> int | None:
+        """Length of the block that starts at `start`: through the first token whose confidence is
+        below the token threshold, or where the product falls to the product threshold, or an
         end-of-generation token, or `room` tokens. None: no boundary among the tokens drafted yet."""
         product = 1.0
-        for i, (token, conf) in enumerate(zip(self.tokens[:room], self.conf)):
-            product *= conf
-            if conf < gate.token_threshold or product <= gate.product_threshold or token in eog:
-                return i + 1
-        return room if len(self) >= room else None
+        for i in range(start, min(len(self), start + room)):
+            product *= self.conf[i]
+            if self.conf[i] < gate.token_threshold or product <= gate.product_threshold or self.tokens[i] in eog:
+                return i + 1 - start
+        return room if len(self) - start >= room else None
 
-    def request(self, n: int, greedy: bool) -> tuple[np.ndarray, CompactProbs | None]:
-        tokens = np.asarray(self.tokens[:n], dtype=np.int32)
+    def request(self, start: int, n: int, greedy: bool) -> tuple[np.ndarray, CompactProbs | None]:
+        tokens = np.asarray(self.tokens[start:start + n], dtype=np.int32)
         if greedy or n == 0:
             return tokens, None
-        return tokens, CompactProbs(np.stack(self.ids[:n]).astype(np.int32), np.stack(self.weights[:n]).astype(np.uint16))
+        return tokens, CompactProbs(np.stack(self.ids[start:start + n]).astype(np.int32),
+                                    np.stack(self.weights[start:start + n]).astype(np.uint16))
 
 
 @dataclass
@@ -356,11 +392,47 @@ class _Server:
 
 
 @dataclass
-class _InFlight:
+class _Block:
+    """One verify request on its way."""
+
     future: concurrent.futures.Future
     tokens: np.ndarray
     sent_at: float
     deadline: float
+    assumed: bool        # sent behind an unanswered block (its request carries assume_from/assume_last)
+
+
+class _Pipeline:
+    """The blocks in flight, oldest first. Answers are taken in this order: a block's answer is
+    only meaningful once the one ahead of it has been committed."""
+
+    def __init__(self) -> None:
+        self.blocks: deque[_Block] = deque()
+        self.root = 0  # revision of the chain's first block, sent with nothing ahead: the chain's name
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def head(self) -> _Block | None:
+        return self.blocks[0] if self.blocks else None
+
+    @property
+    def span(self) -> int:
+        """Chain tokens the blocks in flight cover, each with its assumed bonus: where the next block starts."""
+        return sum(len(b.tokens) + 1 for b in self.blocks)
+
+    def push(self, block: _Block) -> None:
+        self.blocks.append(block)
+
+    def pop(self) -> _Block:
+        return self.blocks.popleft()
+
+    def drop(self) -> int:
+        """Forget every block in flight (their answers, when they come, are ignored); how many there were."""
+        n = len(self.blocks)
+        self.blocks.clear()
+        return n
 
 
 # --- the client --------------------------------------------------------------------------------
@@ -373,8 +445,12 @@ class CloudEdgeClient:
         self.draft = draft
         self.options = options
         self.notify = notify or (lambda message: log.warning(message))
-        self.http = _Http(options.url, options.api_key, options.ca_file)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="edgespec-net")
+        # Room for every block in flight, as many just dropped as stale and still being answered, a probe
+        # and a close; idle connections are kept alive so that a block never waits for a handshake.
+        workers = 2 * options.max_inflight + 2
+        self.http = _Http(options.url, options.api_key, options.ca_file, max_connections=workers)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgespec-net")
+        self._max_inflight = options.max_inflight  # 1 once a verifier turns out to speak protocol 1.0
         self.monitor = NetworkMonitor()
         self.tuner = (GateTuner(options.gate, options.tune_trials, options.tune_window_tokens, options.seed_tuner)
                       if options.tune else None)
@@ -511,7 +587,7 @@ class CloudEdgeClient:
         stats.prefill_s = time.perf_counter() - t0
 
         chain = _Chain()
-        inflight: _InFlight | None = None
+        pipe = _Pipeline()
         next_probe, probe_every, probe_future = time.perf_counter() + opts.reconnect_s, opts.reconnect_s, None
         last_commit = time.perf_counter()
         t_decode = time.perf_counter()
@@ -519,16 +595,18 @@ class CloudEdgeClient:
         greedy = state.sampler.params.greedy
 
         def go_offline(reason: str) -> None:
-            nonlocal server, inflight, chain, next_probe, probe_every
+            nonlocal server, chain, next_probe, probe_every
             if server is not None:
                 self.notify(f"verifier {reason}; continuing with the local model, output unverified until it is back")
-            server, inflight, chain = None, None, _Chain()
+            server, chain = None, _Chain()
+            pipe.drop()
             probe_every = opts.reconnect_s
             next_probe = time.perf_counter() + probe_every
 
         def rebuild(resume: str | None) -> bool:
             """Start the session again from the whole history (same session id when it still exists)."""
             nonlocal server, chain, last_sid
+            pipe.drop()
             request = self._start_request(state, resume)
             try:
                 response, elapsed = self.pool.submit(self._call_start, request, opts.start_timeout_s).result(
@@ -548,16 +626,24 @@ class CloudEdgeClient:
         try:
             while state.finish_reason is None:
                 now = time.perf_counter()
-                # 1. an answer has come back
-                if inflight is not None and inflight.future.done():
-                    done, inflight = inflight, None
+                # 1. the oldest block's answer has come back
+                head = pipe.head
+                if head is not None and head.future.done():
+                    pipe.pop()
                     t_answer = time.perf_counter()
                     try:
-                        answer, nbytes = done.future.result()
+                        answer, nbytes = head.future.result()
                         response = VerifyResponse.from_wire(answer, self.draft.vocab.n_vocab)
                     except VerifierError as exc:
                         if exc.status in (401, 403):
                             raise EdgespecError(f"the verifier refused the API key ({exc.message})") from None
+                        if exc.status == 400 and head.assumed:
+                            # a 1.0 verifier does not know assume_from/assume_last: one block in flight
+                            # from now on; the chain is still right and its first block goes out again
+                            self._max_inflight = 1
+                            pipe.drop()
+                            self.notify("the verifier speaks protocol 1.0; keeping one block in flight")
+                            continue
                         if exc.status in (404, 409):
                             if not rebuild(server.session_id if exc.status == 409 else None):
                                 go_offline("lost the session and could not rebuild it")
@@ -571,19 +657,21 @@ class CloudEdgeClient:
                     except Exception as exc:
                         go_offline(f"unreachable ({type(exc).__name__})")
                         continue
-                    self.monitor.observe(nbytes, t_answer - done.sent_at, response.server_s)
-                    self.monitor.observe_round(len(done.tokens), min(response.n_accepted, len(done.tokens)))
-                    n_sent, n = len(done.tokens), response.n_accepted
-                    if n > n_sent or response.n_past != server.n_past + n + 1:
+                    n_sent, n = len(head.tokens), response.n_accepted
+                    self.monitor.observe(nbytes, t_answer - head.sent_at, response.server_s, not head.assumed)
+                    self.monitor.observe_round(n_sent, min(n, n_sent))
+                    if (n > n_sent or response.n_past != server.n_past + n + 1
+                            or response.revision != server.revision + 1):
                         raise EdgespecError("the verifier's answer does not fit the request (protocol violation)")
                     server.revision, server.n_past = response.revision, response.n_past
                     self._sessions_passes[server.session_id] = response.passes
-                    new = self.engine.accept_step(state, Verification(Draft(done.tokens), n, response.token), CLOUD)
+                    new = self.engine.accept_step(state, Verification(Draft(head.tokens), n, response.token), CLOUD)
                     if n == n_sent and len(chain) > n_sent and chain.tokens[n_sent] == response.token:
-                        chain.drop(n_sent + 1)  # drafted ahead on exactly this outcome: it goes out next
-                        stats.promoted += len(chain)
+                        chain.drop(n_sent + 1)  # drafted on exactly this outcome: the blocks behind stay valid
+                        stats.promoted += chain.promote()
                     else:
-                        chain = _Chain()  # drafted on a future that did not happen
+                        stats.stale_blocks += pipe.drop()  # drafted on a future that did not happen
+                        chain = _Chain()
                     if self.tuner is not None:
                         t = time.perf_counter()
                         self.tuner.observe(len(new), t - last_commit)
@@ -593,8 +681,8 @@ class CloudEdgeClient:
                     continue
 
                 # 2. the answer is late: carry on alone
-                if inflight is not None and now > inflight.deadline:
-                    go_offline(f"slower than the {inflight.deadline - inflight.sent_at:.1f} s deadline")
+                if head is not None and now > head.deadline:
+                    go_offline(f"slower than the {head.deadline - head.sent_at:.1f} s deadline")
                     continue
 
                 # 3. offline: one token with the local model, and now and then a probe
@@ -614,23 +702,26 @@ class CloudEdgeClient:
                         yield state, new
                     continue
 
-                # 4. the link is idle: send the chain's first block once it is complete
-                gate = self.gate
-                room = self._room(gate, state.remaining - 1, server, state.n)
-                if inflight is None:
-                    end = chain.block_end(gate, min(room, self.monitor.best_block(max(1, room))), eog)
-                    if end is not None:
-                        inflight = self._send(server, *chain.request(end, greedy))
+                # 4. the next block starts after the blocks in flight and their assumed bonuses:
+                #    it goes out once its gate closes and a slot is free
+                gate, limit = self.gate, self._max_inflight if opts.pipelined else 1
+                base = pipe.span
+                room = self._room(gate, state.remaining - base - 1, server, state.n + base)
+                end = None
+                if base == 0 or (room > 0 and len(chain) >= base):
+                    cap = self.monitor.best_block(max(1, room), limit if opts.pipelined else 0)
+                    end = chain.block_end(gate, min(room, cap), eog, base)
+                    if end is not None and len(pipe) < limit:
+                        self._send(server, chain, pipe, base, end, state.n, greedy)
                         continue
-                else:
-                    # drafting ahead: past the block in flight and the bonus token it is assumed to end with
-                    n_fly = len(inflight.tokens)
-                    room_after = self._room(gate, state.remaining - n_fly - 2, server, state.n + n_fly + 1)
-                    if not opts.pipelined or room_after <= 0 or len(chain) - n_fly - 1 >= room_after:
-                        t = time.perf_counter()
-                        concurrent.futures.wait([inflight.future], timeout=max(0.0, inflight.deadline - t))
-                        stats.wait_s += time.perf_counter() - t
-                        continue
+                # wait for an answer where drafting more cannot help: sequential mode, the next block
+                # complete and every slot taken, no room for another block, or an end of generation drafted
+                at_eog = len(chain) > 0 and chain.tokens[-1] in eog
+                if head is not None and (not opts.pipelined or end is not None or room <= 0 or at_eog):
+                    t = time.perf_counter()
+                    concurrent.futures.wait([head.future], timeout=max(0.0, head.deadline - t))
+                    stats.wait_s += time.perf_counter() - t
+                    continue
 
                 # 5. draft one more token at the end of the chain
                 context = state.committed
@@ -641,9 +732,9 @@ class CloudEdgeClient:
                 dt = time.perf_counter() - t
                 stats.draft_s += dt
                 self.monitor.observe_draft_step(dt)
-                if inflight is not None:
-                    stats.predrafted += 1
-                chain.add(token, conf, ids, weights)
+                ahead = head is not None  # drafted on the assumption that the blocks in flight are accepted
+                stats.predrafted += ahead
+                chain.add(token, conf, ids, weights, ahead)
         finally:
             stats.decode_s = time.perf_counter() - t_decode
             stats.verify_s = stats.wait_s
@@ -670,17 +761,26 @@ class CloudEdgeClient:
         limits = server.limits
         return max(0, min(gate.max_block, room, limits.max_draft, limits.max_context - n_base - 1))
 
-    def _send(self, server: _Server, tokens: np.ndarray, probs: CompactProbs | None) -> _InFlight:
-        if server.n_past != self.last_state.n:
-            raise EdgespecError("internal: client and verifier disagree on the committed length")
-        request = VerifyRequest(server.revision, server.n_past, tokens, probs)
+    def _send(self, server: _Server, chain: _Chain, pipe: _Pipeline, start: int, n: int, n_committed: int,
+              greedy: bool) -> None:
+        """Send the chain's block [start, start + n) behind the blocks in flight."""
+        tokens, probs = chain.request(start, n, greedy)
+        depth = len(pipe)
+        if depth == 0:
+            if server.n_past != n_committed:
+                raise EdgespecError("internal: client and verifier disagree on the committed length")
+            request = VerifyRequest(server.revision, server.n_past, tokens, probs)
+            pipe.root = server.revision
+        else:  # the state after the blocks ahead, all accepted with the bonus drafted after each
+            request = VerifyRequest(server.revision + depth, n_committed + start, tokens, probs,
+                                    assume_from=pipe.root, assume_last=chain.tokens[start - 1])
         nbytes = 200 + len(tokens) * 4 + (0 if probs is None else probs.nbytes)
         expected = self.monitor.expected_answer_s(nbytes)
         deadline_s = self.options.deadline_s or max(self.options.deadline_floor_s, 4 * expected)
         t = time.perf_counter()
         future = self.pool.submit(self.http.call, "POST", f"/v1/sessions/{server.session_id}/verify",
                                   request.to_wire(), deadline_s + 5)
-        return _InFlight(future, tokens, t, t + deadline_s)
+        pipe.push(_Block(future, tokens, t, t + deadline_s, assumed=depth > 0))
 
     def _draft_one(self, state: SpeculativeState, context: np.ndarray):
         """One draft token after `context`: (token, confidence, compact ids, weights)."""

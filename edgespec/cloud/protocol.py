@@ -1,4 +1,4 @@
-"""The cloud-edge protocol, version 1: message schemas, msgpack encoding, strict validation.
+"""The cloud-edge protocol, version 1.1: message schemas, msgpack encoding, strict validation.
 
 Every message is one msgpack map with `v` (the protocol version). Token ids travel as raw
 little-endian int32 bytes, draft probabilities as top-k ids plus uint16 weights per drafted token,
@@ -19,7 +19,8 @@ import numpy as np
 
 from edgespec.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1   # `v` on the wire: the major version; a side refuses any other
+PROTOCOL_MINOR = 1     # 1.1 adds VerifyRequest.assume_from/assume_last (several blocks in flight); 1.0 never sends them
 CONTENT_TYPE = "application/msgpack"
 WEIGHT_SCALE = 65535  # compact probabilities are uint16 weights; q_i = w_i / sum(w)
 
@@ -269,24 +270,48 @@ class SessionResponse:
 
 @dataclass
 class VerifyRequest:
-    """Verify a draft against the session's committed tokens (revision and n_past as the client knows them)."""
+    """Verify a draft against the session's committed tokens (revision and n_past as the client knows them).
+
+    1.1: a request sent before the one ahead of it was answered names the state it assumes:
+    `revision` and `n_past` after the blocks ahead, all accepted, `assume_last` the bonus token it
+    assumes the last of them ends with, and `assume_from` the revision its chain of blocks was
+    drafted from (that of the chain's first block, sent without assumptions). The verifier waits for
+    that revision and answers 409 `stale`, without a forward pass, when the state did not happen.
+    """
 
     revision: int
     n_past: int
     draft: np.ndarray
     probs: CompactProbs | None = None   # None: greedy session, or a deterministic draft (one-hot)
+    assume_from: int | None = None      # 1.1: the chain's first revision; with assume_last, or neither
+    assume_last: int | None = None      # 1.1: the last committed token this request assumes
 
     def to_wire(self) -> dict:
-        return {"v": PROTOCOL_VERSION, "revision": self.revision, "n_past": self.n_past,
-                "draft": encode_tokens(self.draft), "probs": None if self.probs is None else self.probs.to_wire()}
+        message = {"v": PROTOCOL_VERSION, "revision": self.revision, "n_past": self.n_past,
+                   "draft": encode_tokens(self.draft), "probs": None if self.probs is None else self.probs.to_wire()}
+        if self.assume_last is not None:  # absent otherwise: a request without them is a 1.0 request
+            message.update(assume_from=int(self.assume_from), assume_last=int(self.assume_last))
+        return message
 
     @classmethod
     def from_wire(cls, obj: dict, limits: Limits) -> "VerifyRequest":
-        _fields(obj, {"v", "revision", "n_past", "draft"}, {"probs"})
+        _fields(obj, {"v", "revision", "n_past", "draft"}, {"probs", "assume_from", "assume_last"})
         draft = decode_tokens(obj["draft"], "draft", limits.n_vocab, 0, limits.max_draft)
         probs = obj.get("probs")
-        return cls(_int(obj, "revision", 0, 2**62), _int(obj, "n_past", 1, limits.max_context), draft,
-                   None if probs is None else decode_probs(probs, draft, limits))
+        revision = _int(obj, "revision", 0, 2**62)
+        request = cls(revision, _int(obj, "n_past", 1, limits.max_context), draft,
+                      None if probs is None else decode_probs(probs, draft, limits))
+        if ("assume_from" in obj) != ("assume_last" in obj):
+            raise ProtocolError(400, "malformed", "assume_from and assume_last come together")
+        if "assume_last" in obj:
+            request.assume_from = _int(obj, "assume_from", 0, revision - 1)  # a chain starts before its blocks
+            last = obj["assume_last"]
+            if type(last) is not int:
+                raise ProtocolError(422, "invalid", "assume_last must be a token id")
+            if not 0 <= last < limits.n_vocab:
+                raise ProtocolError(422, "bad_token", f"assume_last is outside the vocabulary [0, {limits.n_vocab})")
+            request.assume_last = last
+        return request
 
 
 @dataclass

@@ -9,6 +9,12 @@ not know it (restart, eviction, another replica behind a load balancer), so no s
 
 Randomness is replica-independent: the acceptance draws of the round at committed length n use
 `numpy.random.default_rng([seed, n])`, with the seed the client gave at session start.
+
+A client may keep several blocks of one session in flight (protocol 1.1, `assume_from` and
+`assume_last`); they can arrive out of order over separate connections. The worker serves a
+session's requests strictly in revision order: one that names a later revision waits (bounded in
+number and time) until the session gets there, and one whose assumed state did not happen is
+answered 409 `stale` as soon as that is known, without a forward pass.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgespec.cloud.protocol import (CONTENT_TYPE, Limits, ProtocolError, SessionRequest, SessionResponse,
-                                     VerifyRequest, VerifyResponse, error_message, pack, unpack, vocab_fingerprint)
+from edgespec.cloud.protocol import (CONTENT_TYPE, PROTOCOL_MINOR, Limits, ProtocolError, SessionRequest,
+                                     SessionResponse, VerifyRequest, VerifyResponse, error_message, pack, unpack,
+                                     vocab_fingerprint)
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler
 from edgespec.verify import accept_greedy, accept_sampling
@@ -53,6 +60,8 @@ class VerifierConfig:
     rate_burst: float = 2000.0
     max_queue: int = 256             # jobs waiting for the model before new ones get 503
     batch: bool = True               # verify concurrent sessions in one llama_decode
+    max_waiting: int = 8             # requests per session waiting for an earlier one (1.1); more get 429
+    order_timeout_s: float = 2.0     # how long such a request waits for the one it follows before 409 stale
 
     def __post_init__(self) -> None:
         if not self.api_keys or any(len(k) < 8 for k in self.api_keys):
@@ -77,6 +86,10 @@ class Session:
     sampler: Sampler
     seed: int
     revision: int = 0
+    # The chain of blocks (its first revision) whose verification made the current state; None after a
+    # start or rebuild. Revisions alone do not tell two chains apart: after a stale chain the client's
+    # next one reuses its revisions.
+    chain: int | None = None
     passes: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -104,8 +117,12 @@ class VerifierCore:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.free_seqs = list(range(runtime.n_seq))
         self.counters = {"passes": 0, "multi_session_calls": 0, "sessions_started": 0,
-                         "sessions_rebuilt": 0, "evicted": 0, "expired": 0, "verified": 0}
+                         "sessions_rebuilt": 0, "evicted": 0, "expired": 0, "verified": 0, "waited": 0, "stale": 0}
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        # Worker-thread state only: verify requests waiting for their session to reach the revision
+        # they name, as (deadline, job) by session id; and those released for the next pass.
+        self._waiting: dict[str, list[tuple[float, _Job]]] = {}
+        self._ready: list[_Job] = []
         self._thread = threading.Thread(target=self._run, name="edgespec-verifier", daemon=True)
         self._thread.start()
 
@@ -127,18 +144,22 @@ class VerifierCore:
     def _run(self) -> None:
         last_sweep = time.monotonic()
         while True:
-            try:
-                job = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                job = False
+            jobs, self._ready = self._ready, []  # released by the last pass: they go first
+            if not jobs:
+                try:
+                    job = self._queue.get(timeout=0.05 if self._waiting else 1.0)
+                except queue.Empty:
+                    job = False
+                if job is None:
+                    return
+                if job is not False:
+                    jobs.append(job)
+            self._expire_waiting()
             if time.monotonic() - last_sweep > 1.0:
                 self._expire_idle()
                 last_sweep = time.monotonic()
-            if job is None:
-                return
-            if job is False:
+            if not jobs:
                 continue
-            jobs = [job]
             while self.config.batch and len(jobs) < self.runtime.n_seq:  # whatever else is waiting joins the pass
                 try:
                     more = self._queue.get_nowait()
@@ -157,13 +178,17 @@ class VerifierCore:
                         j.future.set_exception(ProtocolError(500, "internal", f"{type(exc).__name__}"))
 
     def _serve(self, jobs: list[_Job]) -> None:
+        jobs = [job for job in jobs if not job.future.done()]  # a waiting job failed by an earlier error
         work, pending, busy = [], [], set()
         for job in jobs:
             try:
                 if job.kind == "close":
                     self._close(job)
                     continue
-                session, item = self._prepare(job, busy)
+                prepared = self._prepare(job, busy)
+                if prepared is None:  # waits for an earlier request of its session
+                    continue
+                session, item = prepared
                 busy.add(session.id)
                 pending.append((job, session, item))
                 if item is not None:
@@ -192,6 +217,7 @@ class VerifierCore:
                     job.future.set_result(self._start_done(job, session))
                 else:
                     job.future.set_result(self._verify_done(job, session, outs[session.seq]))
+                    self._release(session)
             except ProtocolError as exc:
                 job.future.set_exception(exc)
 
@@ -202,7 +228,8 @@ class VerifierCore:
         return session
 
     def _prepare(self, job: _Job, busy: set[str]):
-        """Validate a job against the session state; return (session, decode work item or None)."""
+        """Validate a job against the session state; return (session, decode work item or None), or
+        None when the job waits for an earlier request of its session."""
         if job.kind == "start":
             req: SessionRequest = job.request
             session = self._owned(req.resume, job.owner)
@@ -222,7 +249,10 @@ class VerifierCore:
                 session.sampler = Sampler(req.sampling, req.seed)
                 session.seed = req.seed
                 session.revision += 1
+                session.chain = None
                 self.counters["sessions_rebuilt"] += 1
+                # requests drafted on the replaced history: their assumption no longer means anything
+                self._flush(session, ProtocolError(409, "stale", "the session was rebuilt"))
             session.tokens = history
             self.sessions.move_to_end(session.id)
             session.last_used = time.monotonic()
@@ -234,6 +264,22 @@ class VerifierCore:
         if session is None:
             raise ProtocolError(404, "unknown_session", "no such session here (expired, evicted, another replica "
                                                         "or a restart): start it again from your token history")
+        if req.assume_last is not None:
+            dead = self._chain_dead(req, session)
+            if req.revision > session.revision and not dead:  # the requests ahead of it are not answered yet
+                waiting = self._waiting.setdefault(session.id, [])
+                if len(waiting) >= self.config.max_waiting:
+                    raise ProtocolError(429, "rate_limited", "too many requests of this session wait for earlier "
+                                                             "ones")
+                waiting.append((time.perf_counter() + self.config.order_timeout_s, job))
+                self.counters["waited"] += 1
+                return None
+            # the state must be the one the blocks ahead of it, all accepted, produced: made by its own
+            # chain, with the length and the last token it assumes
+            if (dead or req.revision != session.revision or session.chain != req.assume_from
+                    or req.n_past != len(session.tokens) or session.tokens[-1] != req.assume_last):
+                self.counters["stale"] += 1
+                raise ProtocolError(409, "stale", "the state this request assumes did not happen")
         if session.id in busy:
             raise ProtocolError(409, "busy", "this session has a request in progress")
         if req.revision != session.revision or req.n_past != len(session.tokens):
@@ -264,6 +310,50 @@ class VerifierCore:
         if self.sessions.pop(session.id, None) is not None:
             self.runtime.seq_clear(session.seq)
             self.free_seqs.append(session.seq)
+            self._flush(session, ProtocolError(404, "unknown_session", "the session was closed, evicted or expired"))
+
+    @staticmethod
+    def _chain_dead(req: VerifyRequest, session: Session) -> bool:
+        """Every state from its chain's first revision on must come from that chain: once another made
+        one, the request can never be served."""
+        return req.assume_from < session.revision and session.chain != req.assume_from
+
+    def _release(self, session: Session) -> None:
+        """After a verification: requests that waited for this revision, or whose chain it ended, go to
+        the next pass, where they are served or answered stale."""
+        waiting = self._waiting.get(session.id)
+        if not waiting:
+            return
+        keep = []
+        for t, job in waiting:
+            if job.request.revision <= session.revision or self._chain_dead(job.request, session):
+                self._ready.append(job)
+            else:
+                keep.append((t, job))
+        if keep:
+            self._waiting[session.id] = keep
+        else:
+            del self._waiting[session.id]
+
+    def _flush(self, session: Session, error: ProtocolError) -> None:
+        for _, job in self._waiting.pop(session.id, []):
+            if not job.future.done():
+                self.counters["stale"] += error.code == "stale"
+                job.future.set_exception(error)
+
+    def _expire_waiting(self) -> None:
+        now = time.perf_counter()
+        for sid, waiting in list(self._waiting.items()):
+            keep = [(t, job) for t, job in waiting if t > now]
+            for t, job in waiting:
+                if t <= now and not job.future.done():
+                    self.counters["stale"] += 1
+                    message = f"the request this one follows did not come within {self.config.order_timeout_s:g} s"
+                    job.future.set_exception(ProtocolError(409, "stale", message))
+            if keep:
+                self._waiting[sid] = keep
+            else:
+                del self._waiting[sid]
 
     def _close(self, job: _Job) -> None:
         session = self._owned(job.session_id, job.owner)
@@ -297,6 +387,7 @@ class VerifierCore:
         self.runtime.seq_truncate(session.seq, n_past + n)  # KV: old last token plus the accepted drafts
         session.tokens += req.draft[:n].tolist() + [int(token)]
         session.revision += 1
+        session.chain = req.revision if req.assume_from is None else req.assume_from
         self.counters["verified"] += 1
         return VerifyResponse(session.revision, len(session.tokens), n, int(token), session.passes,
                               time.perf_counter() - job.t_arrived)
@@ -387,7 +478,7 @@ def create_app(core: VerifierCore):
 
     @app.get("/v1/health")
     async def health():
-        return reply({"v": 1, "status": "ok"})
+        return reply({"v": 1, "minor": PROTOCOL_MINOR, "status": "ok"})
 
     @app.get("/v1/stats")
     async def stats(request: Request):
