@@ -116,6 +116,7 @@ def generate(
     verifier: str = typer.Option(None, "--verifier", help="URL of an `edgespec serve --verifier`: draft here (--draft), verify there"),
     api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY", help="bearer token for --verifier"),
     verifier_ca: str = typer.Option(None, "--verifier-ca", help="CA bundle to trust for an https --verifier (self-signed)"),
+    in_flight: int = typer.Option(3, "--in-flight", help="--verifier: draft blocks sent ahead before the first answer (1 = one at a time)"),
     budget: str = BUDGET,
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU, e.g. 6G [default: the GPU's memory]"),
 ) -> None:
@@ -136,7 +137,8 @@ def generate(
         if runtime != "llamacpp":
             raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
-                                as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose)
+                                as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
+                                in_flight=in_flight)
         return
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
@@ -466,12 +468,13 @@ def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, 
 
 
 def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,
-                            as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool) -> None:
+                            as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool,
+                            in_flight: int = 3) -> None:
     """`generate --verifier`: the local model drafts, the verifier verifies; offline, the local model goes on."""
 
     from edgespec.cloud.client import CloudEdgeClient, CloudOptions
 
-    options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file)
+    options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file, max_inflight=in_flight)
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
     with CloudEdgeClient.load(draft or "smollm2-135m", options, n_ctx=ctx, n_threads=threads,
                               n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:

@@ -103,7 +103,7 @@ class CloudOptions:
         if not 1 <= self.probs_k <= 1024:
             raise EdgespecError("probs_k must be between 1 and 1024")
         if not 1 <= self.max_inflight <= 16:
-            raise EdgespecError("max_inflight must be between 1 and 16")
+            raise EdgespecError(f"--in-flight (max_inflight) must be between 1 and 16, got {self.max_inflight}")
 
 
 @dataclass
