@@ -206,15 +206,14 @@ class Engine:
         `runtime`: "llamacpp" (GGUF), "onnx" (a bundle's onnx/target and onnx/draft, or ONNX export
         directories; `onnx_quant` auto = fp32, else int8, else int4; `onnx_provider` see
         runtimes/onnxrt.py; `kv_resident`, e.g. "64M": run the target's layer graphs with that much KV
-        in memory and the rest in a file) or "coreml" (a bundle's Core ML packages, macOS 15+; the context is the one
-        fixed at export)."""
+        in memory and the rest in a file) or "coreml" (a bundle's Core ML packages, macOS 15+; the
+        context is the one fixed at export)."""
         if runtime == "onnx":  # the llama.cpp options (GPU layers, KV types, trees) do not apply
+            from edgespec.memory import parse_size
             from edgespec.runtimes.onnxrt import OnnxOptions, load_pair
 
             if target is None:
                 raise EdgespecError("runtime onnx needs a target: a bundle or an ONNX export directory")
-            from edgespec.memory import parse_size
-
             options = OnnxOptions(n_ctx=n_ctx, n_threads=n_threads, provider=onnx_provider, quant=onnx_quant,
                                   verbose=verbose,
                                   kv_resident_bytes=None if kv_resident is None else parse_size(kv_resident))
