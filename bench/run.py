@@ -408,6 +408,7 @@ class Settings:
     out: Path
     command: str
     peers: bool = True   # llama-cpp-python's own plain and lookup decoding, in the same run
+    only: tuple[str, ...] = ()  # --systems: run just these (names as in the tables), plain always included
 
 
 def _median(xs: Sequence[float | None]) -> float | None:
@@ -477,6 +478,8 @@ def run_setup(setup: Setup, prompts: list[Prompt], settings: Settings, progress,
         if peers:
             systems.append(LlamaCppPythonSystem(peers[0]))
             systems += [LlamaCppPythonSystem(peers[1], n) for n in PEER_LOOKUP_NS]
+        if settings.only:
+            systems = [s for s in systems if s.name in settings.only or s.name == PLAIN]
         weights = engine.target.memory().weights
         prompt_ids = {p.id: engine.prompt_tokens(list(p.messages)) for p in prompts}
         for p in prompts:
@@ -882,6 +885,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs an interrupted benchmark left in OUT/runs.jsonl (same options) and do the rest")
     p.add_argument("--no-peers", action="store_true", help="leave out llama-cpp-python's own decoding (edgespec only)")
+    p.add_argument("--systems", default="", help="comma list of systems to run, e.g. 'edgespec auto' (plain is always run)")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 2 prompts per category, 32 tokens")
     return p.parse_args(argv)
 
@@ -898,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens or (32 if args.quick else 128),
         per_category=args.per_category or (2 if args.quick else None),
         n_threads=args.threads, n_ctx=args.ctx, flash_attn=args.flash_attn, out=args.out, peers=not args.no_peers,
+        only=tuple(x.strip() for x in args.systems.split(",") if x.strip()),
         command="python -m edgespec.bench.run " + " ".join(argv))
     if settings.repeats < 1 or settings.max_tokens < 2 or (settings.per_category is not None and settings.per_category < 1):
         print("error: need --repeats >= 1, --max-tokens >= 2 and --per-category >= 1", file=sys.stderr)
@@ -912,6 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine()
 
     def n_systems(s: Setup) -> int:
+        if settings.only:
+            return 1 + len(set(settings.only) - {PLAIN})
         peers = 1 + len(PEER_LOOKUP_NS) if settings.peers else 0
         return 1 + (len(DRAFT_KS) if s.draft else 0) + len(LOOKUP_KS) + 1 + peers
 
@@ -934,7 +941,8 @@ def main(argv: list[str] | None = None) -> int:
     runs_path = settings.out / "runs.jsonl"
     settings_key = {"models": settings.models, "repeats": settings.repeats, "max_tokens": settings.max_tokens,
                     "prompts": [p.id for p in prompts], "n_threads": settings.n_threads, "n_ctx": settings.n_ctx,
-                    "flash_attn": settings.flash_attn, "peers": settings.peers}
+                    "flash_attn": settings.flash_attn, "peers": settings.peers,
+                    "only": list(settings.only)}
     finished = {}
     if args.resume:
         try:

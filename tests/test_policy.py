@@ -72,6 +72,23 @@ def test_lookup_is_bounded_by_the_match():
     assert policy.choose(make_state([1, 2, 3, 4])).k == 0  # nothing to copy: plain decoding
 
 
+def test_a_break_even_speculation_is_not_taken():
+    """Lookup k = 1 at a verify(2) / verify(1) of 1.32 (this CPU): 36 % acceptance predicts 1.03x,
+    inside the margin, so plain decoding; 60 % predicts 1.21x, so lookup."""
+    from edgespec.policy import SPECULATION_MARGIN
+
+    profile = CostProfile({1: 10 * MS, 2: 13.2 * MS, 3: 16.4 * MS, 4: 19.6 * MS}, None, None, 0.0)
+    lookup = PromptLookupDrafter()
+    context = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # "5 6 7" seen before: a match to propose
+    for rate, taken in ((0.36, False), (0.60, True)):
+        policy = AdaptivePolicy(profile, lookup, None, k_max=1)
+        policy.estimates["lookup"].hits[:] = rate * policy.estimates["lookup"].trials
+        predicted = (1 + rate) / 1.32
+        assert (predicted > 1 + SPECULATION_MARGIN) == taken
+        choice = policy.choose(make_state(context))
+        assert (choice.drafter is lookup) == taken, (rate, choice)
+
+
 def test_never_predicts_below_plain_decoding():
     rng = np.random.default_rng(0)
     for trial in range(200):
