@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 import pexpect
 import pytest
@@ -66,7 +67,9 @@ def test_a_chat_session_in_a_terminal(smollm2_path, tmp_path):
         command(child, "/nonsense", r"unknown command /nonsense")
         command(child, "/help", r"/save FILE")
 
-        # Ctrl-C at the prompt does not end the session.
+        # Ctrl-C at the prompt does not end the session. (The prompt is on screen a moment before the
+        # child blocks reading a line; a key pressed in that gap is a different case, left out here.)
+        time.sleep(0.5)
         child.sendintr()
         child.expect("Ctrl-D or /quit ends the session")
         child.expect_exact(PROMPT)
