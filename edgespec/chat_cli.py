@@ -150,9 +150,15 @@ class ChatSession:
 
 def run_chat(engine: Engine, config: GenerationConfig, *, system: str | None = None) -> int:
     """The interactive session on this process's terminal."""
+    import signal
+
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # not on every platform
         pass
+    # A process started in the background by a script inherits SIGINT ignored, and Python keeps it so;
+    # in a conversation Ctrl-C must stop an answer, so take it back.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     engine.policy_for(config)  # refuse a bad mode before the first message
     return ChatSession(engine, config, system=system).run()
