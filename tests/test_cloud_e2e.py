@@ -96,7 +96,9 @@ def test_greedy_through_the_network_is_the_targets_output(smol_server, smol_targ
             assert s.bytes_sent > 0 and s.bytes_received > 0
             stale += s.stale_blocks
         print(f"\n{mode}: {identical}/{len(prompts)} identical, {stale} stale blocks; last stats {s.to_dict()}")
-        assert identical >= len(prompts) - len(prompts) // 4  # at most a quarter diverge, each at a near-tie
+        # Divergences are allowed only at near-ties (checked above); block lengths follow measured
+        # timings, so which near-tie flips varies from run to run: at most a quarter, and at least one.
+        assert identical >= len(prompts) - max(1, len(prompts) // 4)
         if mode == "pipelined":
             assert stale > 0, "no block was sent ahead and found stale: the multi-block path was not exercised"
         else:
