@@ -419,7 +419,6 @@ def test_advice_this_cpu_machine(here):
 
 
 def test_model_advice_follows_memory(here):
-    pytest.importorskip("edgespec.models.catalog")
     gib = 1024**3
 
     def models_for(available: int) -> dict | None:

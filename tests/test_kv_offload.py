@@ -25,12 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="layered ONNX export needs torch (pip install 'edgespec[export]')")
-pytest.importorskip("onnx", reason="layered ONNX export needs onnx (pip install 'edgespec[export]')")
-pytest.importorskip("onnxruntime", reason="the layered runtime needs onnxruntime (pip install 'edgespec[export]')")
-
-from edgespec.engine import Engine, GenerationConfig  # noqa: E402
-from edgespec.errors import EdgespecError  # noqa: E402
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.errors import EdgespecError
 
 LOGIT_TOL = 1e-4
 THREADS = 2
@@ -324,7 +320,6 @@ def test_peak_rss_stays_within_budget_while_full_kv_would_not(tmp_path_factory, 
 
 
 def test_bundle_option_writes_target_layers(hf_tiny, tmp_path):
-    pytest.importorskip("optimum", reason="the bundle's ONNX export needs optimum-onnx")
     from edgespec.exporters.bundle import ExportOptions, export_bundle, read_manifest, verify_bundle
 
     out = export_bundle(hf_tiny["llama"], tmp_path / "bundle", options=ExportOptions(
@@ -340,7 +335,6 @@ def test_bundle_option_writes_target_layers(hf_tiny, tmp_path):
 def test_cli_export_with_layers_then_generate_with_kv_offloaded(hf_tiny, tmp_path):
     """The user's path: `export --onnx-layers`, then `generate --runtime onnx --kv-resident SIZE` gives
     the same greedy tokens as the standard ONNX target with all its KV in memory."""
-    pytest.importorskip("optimum", reason="the bundle's ONNX export needs optimum-onnx")
     import os
 
     env = {**os.environ, "EDGESPEC_HOME": str(tmp_path / "home"), "EDGESPEC_DEBUG": ""}

@@ -9,7 +9,6 @@ test must reject a known-wrong verifier, or it would prove nothing.
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

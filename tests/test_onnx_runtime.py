@@ -11,7 +11,6 @@ tiny models (asserted <= 1e-4); greedy outputs agree, every divergence must star
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,14 +20,10 @@ import sys
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("optimum") is None:
-    pytest.skip("the ONNX runtime tests need onnxruntime and optimum-onnx (pip install 'edgespec[export]')",
-                allow_module_level=True)
-
-from conftest import load_runtime  # noqa: E402
-from edgespec.engine import Engine, GenerationConfig  # noqa: E402
-from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError  # noqa: E402
-from lossless import NEAR_TIE_GAP, compare_greedy  # noqa: E402
+from conftest import load_runtime
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
+from lossless import NEAR_TIE_GAP, compare_greedy
 
 LOGIT_TOL = 1e-4
 FAMILIES = ("llama", "llama3", "qwen2")  # gpt-2, llama-bpe (BOS added) and qwen2 (padded vocabulary) tokenizers

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_runtime
-from edgespec.drafters import DraftModelDrafter, PromptLookupDrafter
+from edgespec.drafters import PromptLookupDrafter
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.policy import AdaptivePolicy
 from edgespec.profile import CostProfile

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models as tm  # noqa: E402
 
-llama_cpp = pytest.importorskip("llama_cpp")
+import llama_cpp  # noqa: E402
 
 PROMPTS = [b"hello world", b"The quick brown fox", b"def f(x):", b"In the beginning"]
 N_GEN = 40
