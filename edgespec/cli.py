@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 import typer
 
@@ -43,6 +44,12 @@ BUDGET = typer.Option(None, "--budget", help="memory budget (RAM, or the unified
 TOP_K = typer.Option(40, help="sample among the k most likely tokens (0 = all)")
 REPEAT_PENALTY = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)")
 MIN_P = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)")
+MODE_HELP = ("auto (picks drafter and k each round from measured costs) | ar (plain) | draft (draft model) | "
+             "lookup (prompt lookup) | suffix (copy from the prompt, the text so far and earlier outputs)")
+HISTORY_LIMIT = typer.Option(1 << 16, "--history-limit",
+                             help="tokens of earlier outputs kept for suffix drafting (auto, --mode suffix)")
+HISTORY_FILE = typer.Option(None, "--history-file",
+                            help="earlier outputs for suffix drafting: loaded from this file if it exists, saved back at the end")
 
 
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
@@ -91,7 +98,7 @@ def generate(
     prompt: str = typer.Argument(..., help="the prompt; '-' reads it from standard input"),
     target: str = TARGET,
     draft: str = DRAFT,
-    mode: str = typer.Option("auto", help="auto (draft model if given, else plain) | ar (plain) | draft | lookup (prompt lookup)"),
+    mode: str = typer.Option("auto", help=MODE_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens to generate"),
     temperature: float = typer.Option(0.8, help="0 = greedy (deterministic, exactly the target's own output)"),
     top_k: int = TOP_K,
@@ -119,12 +126,15 @@ def generate(
     in_flight: int = typer.Option(3, "--in-flight", help="--verifier: draft blocks sent ahead before the first answer (1 = one at a time)"),
     budget: str = BUDGET,
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU, e.g. 6G [default: the GPU's memory]"),
+    history_limit: int = HISTORY_LIMIT,
+    history_file: str = HISTORY_FILE,
 ) -> None:
     """Generate text for one prompt, speculatively. Text goes to stdout, a stats line to stderr."""
     from edgespec.engine import GenerationConfig
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    history = _history(history_limit)
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
                               mode=mode, draft_max=draft_max, raw=raw)
@@ -144,8 +154,28 @@ def generate(
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                          gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime,
                          kv_resident=kv_resident)
-    with engine:
+    with engine, _kept_history(engine, history, history_file):
         _print_stream(engine.stream(prompt if raw else messages, config), as_json)
+
+
+def _history(limit: int):
+    """The suffix drafter's history, checked before any model loads."""
+    from edgespec.suffix import SuffixHistory
+
+    return SuffixHistory(limit)
+
+
+@contextmanager
+def _kept_history(engine, history, path: str | None):
+    """Give the engine `history`, filled from `path` when it exists, and save it back there at the end."""
+    from pathlib import Path
+
+    engine.use_history(history)
+    if path and Path(path).exists():
+        history.load(path)
+    yield history
+    if path:
+        history.save(path)
 
 
 def _print_stream(stream, as_json: bool) -> None:
@@ -347,7 +377,7 @@ def plan(
 def chat(
     target: str = TARGET,
     draft: str = DRAFT,
-    mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup)"),
+    mode: str = typer.Option("auto", help=MODE_HELP),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="most tokens per answer"),
     temperature: float = typer.Option(0.8, help="0 = greedy"),
     top_k: int = TOP_K,
@@ -368,6 +398,8 @@ def chat(
     gpu_budget: str = GPU_BUDGET,
     runtime: str = RUNTIME,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
+    history_limit: int = HISTORY_LIMIT,
+    history_file: str = HISTORY_FILE,
 ) -> None:
     """Chat in the terminal; each turn prefills only what is new. /help lists the commands."""
     from edgespec.chat_cli import run_chat
@@ -376,10 +408,11 @@ def chat(
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
                               mode=mode, draft_max=draft_max)
+    history = _history(history_limit)
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                          gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime)
-    with engine:
+    with engine, _kept_history(engine, history, history_file):
         code = run_chat(engine, config, system=system)
     if code:
         raise typer.Exit(code)
@@ -392,7 +425,7 @@ def chat(
 def serve(
     target: str = TARGET,
     draft: str = DRAFT,
-    mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup), for every request"),
+    mode: str = typer.Option("auto", help=MODE_HELP),
     draft_max: int = typer.Option(None, help="tokens drafted per round"),
     as_verifier: bool = typer.Option(False, "--verifier", help="verify drafts sent by `edgespec generate --verifier URL` "
                                      "instead of serving the OpenAI API (protocol: docs/cloud_protocol.md)"),
@@ -424,6 +457,8 @@ def serve(
     gpu_budget: str = GPU_BUDGET,
     runtime: str = RUNTIME,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
+    history_limit: int = HISTORY_LIMIT,
+    history_file: str = HISTORY_FILE,
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
     or with --verifier the target of cloud-edge speculation."""
@@ -444,11 +479,12 @@ def serve(
                         threads=threads, gpu_layers=gpu_layers, verbose=verbose)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
+    history = _history(history_limit)
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                          gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes,
                          runtime=runtime)
-    with engine:
+    with engine, _kept_history(engine, history, history_file):
         config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
                               api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
                               max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
