@@ -47,6 +47,17 @@ REPEAT_PENALTY = typer.Option(1.0, help="divide logits of recently seen tokens b
 MIN_P = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)")
 
 
+def auto_draft_option(target: str | None, draft: str | None) -> str | None:
+    """`--draft auto`: the installed model whose vocabulary matches the target's (said on stderr)."""
+    if draft != "auto":
+        return draft
+    from edgespec.models.pairs import auto_draft
+
+    name, path = auto_draft(target)
+    typer.echo(f"draft auto: {name} ({path}): its vocabulary matches the target's", err=True)
+    return name
+
+
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
@@ -60,6 +71,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     from edgespec.engine import Engine
     from edgespec.models import catalog
 
+    draft = auto_draft_option(target, draft)
     if draft is None and mode == "draft" and target in catalog.names():
         draft = catalog.get(target).draft
     if kv_resident is not None and runtime != "onnx":
@@ -351,7 +363,8 @@ def plan(
 
     from edgespec.planner import plan_for_cli
 
-    result = plan_for_cli(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx, max_draft=draft_max)
+    result = plan_for_cli(target, auto_draft_option(target, draft), budget=budget, gpu_budget=gpu_budget, ctx=ctx,
+                          max_draft=draft_max)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     if not result.fits:  # one line on stderr, exit status 2 (with --json the object above says it too)
