@@ -208,8 +208,9 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
     on_gpu = gpu_layers != 0
     why_mode = ("on a GPU, verifying k tokens costs about one step, where draft-model speculation usually pays "
                 "(edgespec has not measured this hardware)" if on_gpu else
-                "on a CPU, draft-model speculation often loses (0.7-0.86x plain decoding with the Qwen2.5-Coder 1.5B + 0.5B pair on a "
-                "2-core build machine) while prompt lookup helps on edit-like prompts; `auto` measures and chooses")
+                "on a CPU, draft-model speculation often loses (0.7-0.86x plain decoding with the Qwen2.5-Coder "
+                "1.5B + 0.5B pair on a 2-core build machine) while prompt lookup helps on edit-like prompts; `auto` "
+                "measures and chooses")
     recommended = _recommended_pair(budget)
     if recommended is not None:
         pair, need = recommended

@@ -151,15 +151,20 @@ def _norm(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower())
 
 
+def _model_key(name: str) -> str:
+    """'qwen2.5-coder-7b-instruct' -> 'qwen2.5-coder-7b': how Ollama tags and file names spell it too."""
+    return re.sub(r"-(instruct|it)(-awq)?$", "", _norm(name))
+
+
 def recommended_for(target: str) -> Pair | None:
     """The pair whose target this name or path looks like (by model name, else by family); None if none."""
     text = _norm(str(target))
     for p in pairs():
-        if _norm(p.target.name) in text or (p.target.catalog and p.target.catalog == str(target)):
+        if _model_key(p.target.name) in text or (p.target.catalog and p.target.catalog == str(target)):
             return p
     for p in sorted(pairs(), key=lambda p: -len(p.family)):  # qwen2.5-coder before qwen2.5
         family = _norm(p.family)
-        is_draft = _norm(p.draft.name) in text or p.draft.catalog == str(target)
+        is_draft = _model_key(p.draft.name) in text or p.draft.catalog == str(target)
         if not is_draft and (family in text or family.replace("-", "") in text.replace("-", "")):
             return p
     return None
