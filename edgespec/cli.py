@@ -519,8 +519,9 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
 @app.command()
 def export(
-    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory (or a hub id where the hub is reachable)"),
-    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer"),
+    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory, or hf:OWNER/REPO[@REV] "
+                                 "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
     formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
     quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "

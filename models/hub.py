@@ -36,7 +36,8 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 ATTEMPTS = 4  # a dropped connection is retried this many times; each retry resumes the .incomplete blob
 # What `edgespec export hf:...` needs from a checkpoint repo (weights, config, tokenizer), never *.bin/*.gguf.
-CHECKPOINT_FILES = re.compile(r"(^|/)([^/]+\.json|[^/]+\.safetensors|tokenizer\.model|[^/]+\.tiktoken|merges\.txt|vocab\.txt)$")
+CHECKPOINT_FILES = re.compile(r"^([^/]+\.json|[^/]+\.safetensors|[^/]+\.jinja|tokenizer\.model|[^/]+\.tiktoken|"
+                              r"merges\.txt|vocab\.txt)$")  # top-level files only: no onnx/, gguf/ copies
 
 
 @dataclass(frozen=True)

@@ -282,3 +282,20 @@ def test_models_pull_reports_and_skips_cached(hub_env, hub_server):
     again = _cli(["models", "pull", "hf:tiny/Split-GGUF:Q8_0"], hub_env, hub_server.url)
     assert "already cached" in again.stderr, again.stderr
 
+
+
+def test_a_checkpoint_repo_is_snapshotted_for_export(hub_env, hub_server, tmp_path):
+    """`edgespec export hf:OWNER/REPO`: the checkpoint's config, safetensors and tokenizer from the HF cache,
+    sha256-checked, read by the exporter's own checkpoint loader."""
+    from hf_models import write_tiny_checkpoint
+
+    from edgespec.exporters.checkpoint import load_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", family="llama", tokenizer="gpt2")
+    files = {p.relative_to(ckpt).as_posix(): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    hub_server.add("tiny/Ckpt", {**files, "pytorch_model.bin": b"not wanted", "onnx/model.onnx": b"nor this"})
+    loaded = load_checkpoint("hf:tiny/Ckpt")
+    assert loaded.path.parent.name == "snapshots" and loaded.config["num_hidden_layers"] > 0
+    assert sorted(p.relative_to(loaded.path).as_posix() for p in loaded.path.rglob("*") if p.is_file()) == sorted(files)
+    with pytest.raises(ModelFileError, match="hf:tiny/Tiny-GGUF has no safetensors weights"):
+        load_checkpoint("hf:tiny/Tiny-GGUF")
