@@ -190,10 +190,13 @@ def _from_cache(ref: HubRef, hub: HubSettings, progress: bool) -> Path | None:
         model = _choose(ref, names)
     except ModelFileError:
         return None  # not (all) cached: the hub decides what exists
-    for f in model.files:
-        blob = (snap / f).resolve()
-        if _HEX64.fullmatch(blob.name):  # an LFS blob is named by its sha256
-            _check_or_drop(snap / f, blob.name, ref, progress)
+    unchecked = [f for f in model.files if _HEX64.fullmatch((snap / f).resolve().name)  # LFS blobs: named by sha256
+                 and not digests.is_verified(snap / f, (snap / f).resolve().name)]
+    with _bar(progress and bool(unchecked)) as bar:  # first use of a file another tool downloaded: hash it once
+        for f in unchecked:
+            blob = (snap / f).resolve()
+            task = bar.add_task(f"{f.rsplit('/', 1)[-1]}: sha256", total=blob.stat().st_size) if bar else None
+            _check_or_drop(snap / f, blob.name, ref, advance=(lambda n, t=task: bar.advance(t, n)) if bar else None)
     return snap / model.first
 
 
@@ -263,23 +266,24 @@ def _download(ref: HubRef, hub: HubSettings, commit: str | None, siblings: list,
                     if not _transient(exc) or attempt == ATTEMPTS:
                         raise _explain(exc, ref, hub, sib.rfilename) from None
                     time.sleep(0.5 * attempt)
-            if bar:
-                bar.update(task, completed=size, description=f"{sib.rfilename.rsplit('/', 1)[-1]}: sha256")
+            short = sib.rfilename.rsplit("/", 1)[-1]
+            if bar:  # the same bar again, for the hash
+                bar.update(task, completed=0, description=f"{short}: sha256")
             real = path.resolve()
             if size is not None and real.stat().st_size != size:
                 _drop(path)
                 raise CatalogError(f"{ref.name}: {sib.rfilename} has {real.stat().st_size} bytes, the hub lists "
                                    f"{size}; it was deleted, run the command again")
             if sha:
-                _check_or_drop(path, sha, ref, progress=False)
+                _check_or_drop(path, sha, ref, advance=(lambda n, t=task: bar.advance(t, n)) if bar else None)
             if bar:
-                bar.update(task, description=f"{sib.rfilename.rsplit('/', 1)[-1]}: sha256 ok")
+                bar.update(task, completed=size, description=f"{short}: sha256 ok" if sha else short)
             paths.append(path)
     return paths, fetched
 
 
-def _check_or_drop(path: Path, sha256: str, ref: HubRef, progress: bool) -> None:
-    if digests.check(path, sha256):
+def _check_or_drop(path: Path, sha256: str, ref: HubRef, advance=None) -> None:
+    if digests.check(path, sha256, advance):
         return
     _drop(path)
     raise CatalogError(f"{ref.name}: {path.name} failed its sha256 check (the hub lists {sha256[:12]}...); "

@@ -170,6 +170,18 @@ def recommended_for(target: str) -> Pair | None:
     return None
 
 
+def _model_bytes(path: Path) -> int:
+    """A model's size: all its shards for a split GGUF (they sit beside the first)."""
+    from edgespec.models.gguf_names import shard_of
+
+    shard = shard_of(path.name)
+    if shard is None:
+        return path.stat().st_size
+    stem = path.name[: -len("-00001-of-00000.gguf")]
+    return sum(path.with_name(f"{stem}-{i:05d}-of-{shard[1]:05d}.gguf").stat().st_size
+               for i in range(1, shard[1] + 1))
+
+
 def auto_draft(target: str | None) -> tuple[str, Path]:
     """(name, path) of an installed model that can draft for `target`, by the vocabulary check.
 
@@ -180,7 +192,7 @@ def auto_draft(target: str | None) -> tuple[str, Path]:
 
     target = target or catalog.DEFAULT_MODEL
     target_path = store.resolve(target)
-    size = target_path.stat().st_size
+    size = _model_bytes(target_path)
     pair = recommended_for(target) or recommended_for(target_path.name)
     preferred = {pair.draft.source, pair.draft.hub} if pair else set()
     seen = {target_path.resolve()}

@@ -284,14 +284,12 @@ def test_models_pull_reports_and_skips_cached(hub_env, hub_server):
 
 
 
-def test_a_checkpoint_repo_is_snapshotted_for_export(hub_env, hub_server, tmp_path):
+def test_a_checkpoint_repo_is_snapshotted_for_export(hub_env, hub_server, hf_tiny):
     """`edgespec export hf:OWNER/REPO`: the checkpoint's config, safetensors and tokenizer from the HF cache,
     sha256-checked, read by the exporter's own checkpoint loader."""
-    from hf_models import write_tiny_checkpoint
-
     from edgespec.exporters.checkpoint import load_checkpoint
 
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", family="llama", tokenizer="gpt2")
+    ckpt = hf_tiny["llama"]
     files = {p.relative_to(ckpt).as_posix(): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
     hub_server.add("tiny/Ckpt", {**files, "pytorch_model.bin": b"not wanted", "onnx/model.onnx": b"nor this"})
     loaded = load_checkpoint("hf:tiny/Ckpt")

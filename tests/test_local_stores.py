@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -153,4 +152,3 @@ def test_an_empty_machine_lists_no_other_stores(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "none3"))
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "es"))
     assert store.installed() == []
-    shutil.rmtree(tmp_path / "es", ignore_errors=True)
