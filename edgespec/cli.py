@@ -209,7 +209,8 @@ def profile(
 
 # --- edgespec models: the catalog and the local model store ----------------------------------
 
-models_app = typer.Typer(no_args_is_help=True, help="List, pull and remove catalog models.")
+models_app = typer.Typer(no_args_is_help=True, help="List, pull and remove models (catalog, Hugging Face Hub; "
+                         "list also shows Ollama and LM Studio).")
 app.add_typer(models_app, name="models")
 
 
@@ -281,18 +282,21 @@ def models_pull(names: list[str] = typer.Argument(..., help="catalog names, or h
 
 
 @models_app.command("rm")
-def models_rm(names: list[str] = typer.Argument(..., help="catalog model names")) -> None:
-    """Delete cached models."""
-    from edgespec.models import store
+def models_rm(names: list[str] = typer.Argument(..., help="catalog model names or hf: names")) -> None:
+    """Delete cached models (catalog models, and hf: GGUFs from the Hugging Face cache)."""
+    from edgespec.models import hub, store
 
     for name in names:
-        freed = store.remove(name)
+        if name.startswith(("ollama:", "lmstudio:")):
+            raise EdgespecError(f"{name} belongs to {name.split(':')[0]}'s store; remove it there "
+                                f"({'`ollama rm NAME`' if name.startswith('ollama:') else 'in LM Studio'})")
+        freed = hub.remove(name) if hub.is_hub_name(name) else store.remove(name)
         typer.echo(f"{name}: removed, {_bytes_h(freed)} freed" if freed else f"{name}: not cached", err=True)
 
 
 @models_app.command("path")
-def models_path(name: str = typer.Argument(..., help="catalog model name")) -> None:
-    """Print the cached file of a catalog model, pulling it first if needed."""
+def models_path(name: str = typer.Argument(..., help="a model name (catalog, hf:, ollama:, lmstudio:)")) -> None:
+    """Print the file a model name runs, pulling it first if needed."""
     from edgespec.models import store
 
     typer.echo(store.resolve(name, pull_if_missing=True))

@@ -200,6 +200,32 @@ def _from_cache(ref: HubRef, hub: HubSettings, progress: bool) -> Path | None:
     return snap / model.first
 
 
+def remove(name: str) -> int:
+    """Delete a cached hub GGUF (every shard: blob and snapshot link); return the bytes freed (0: not cached).
+    Other files of the repo, and blobs another snapshot still links to, stay."""
+    ref = parse(name)
+    hub = settings()
+    snap = _snapshot_dir(ref, hub)
+    if snap is None:
+        return 0
+    names = [p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file()]
+    try:
+        model = _choose(ref, names)
+    except ModelFileError:
+        return 0
+    root = repo_dir(ref.repo, hub)
+    freed = 0
+    for f in model.files:
+        link = snap / f
+        blob = link.resolve()
+        others = [p for p in (root / "snapshots").rglob("*") if p.is_symlink() and p != link and p.resolve() == blob]
+        if not others:
+            freed += blob.stat().st_size
+            blob.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)
+    return freed
+
+
 def cached_models(hub: HubSettings | None = None) -> list[dict]:
     """GGUF models in the HF cache: [{"name": hf:..., "path", "bytes", "revision"}], from scan_cache_dir."""
     from huggingface_hub import scan_cache_dir

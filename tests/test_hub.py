@@ -297,3 +297,14 @@ def test_a_checkpoint_repo_is_snapshotted_for_export(hub_env, hub_server, hf_tin
     assert sorted(p.relative_to(loaded.path).as_posix() for p in loaded.path.rglob("*") if p.is_file()) == sorted(files)
     with pytest.raises(ModelFileError, match="hf:tiny/Tiny-GGUF has no safetensors weights"):
         load_checkpoint("hf:tiny/Tiny-GGUF")
+
+
+def test_models_rm_deletes_a_hub_model_and_nothing_else(hub_env, hub_server, tiny_files):
+    q8 = store.resolve("hf:tiny/Tiny-GGUF:Q8_0")
+    q4 = store.resolve("hf:tiny/Tiny-GGUF:Q4_K_M")
+    done = _cli(["models", "rm", "hf:tiny/Tiny-GGUF:Q8_0"], hub_env, hub_server.url)
+    assert done.returncode == 0, done.stderr
+    assert f"{len(tiny_files['target']) / 1000:.1f} KB freed" in done.stderr
+    assert not q8.exists() and q4.read_bytes() == tiny_files["draft"]
+    again = _cli(["models", "rm", "hf:tiny/Tiny-GGUF:Q8_0"], hub_env, hub_server.url)
+    assert "not cached" in again.stderr
