@@ -7,6 +7,9 @@ from typing import Protocol
 from edgespec.errors import VocabMismatchError
 from edgespec.runtimes.base import VocabInfo
 
+MAX_VOCAB_SIZE_DIFFERENCE = 128
+CHECK_FROM_TOKEN_ID = 5  # the first few ids are often special tokens that differ harmlessly
+
 
 class HasVocab(Protocol):
     """What the check reads: a runtime, or a model opened for its vocabulary alone (llamacpp.VocabOnly)."""
@@ -14,9 +17,6 @@ class HasVocab(Protocol):
     vocab: VocabInfo
 
     def token_text(self, token: int) -> str: ...
-
-MAX_VOCAB_SIZE_DIFFERENCE = 128
-CHECK_FROM_TOKEN_ID = 5  # the first few ids are often special tokens that differ harmlessly
 
 
 def vocab_difference(target: HasVocab, draft: HasVocab) -> str | None:
