@@ -148,6 +148,21 @@ def test_an_interrupted_download_resumes_where_it_stopped(hub_env, hub_server, t
     assert 10 * 2**20 <= start <= cut, (start, cut, size)
 
 
+def test_a_failed_download_resumes_on_the_next_run(hub_env, hub_server, tiny_files, monkeypatch):
+    """What the error promises: run the command again and the download goes on from the .incomplete blob."""
+    monkeypatch.setattr(hub, "ATTEMPTS", 1)  # no retry within this run
+    hub_server.state.drop_once[("tiny/Drop-GGUF", "Drop-Q4_K_M.gguf")] = len(tiny_files["big"]) - 1000
+    with pytest.raises(CatalogError, match="cannot reach the hub .*run the command again \\(a download resumes"):
+        store.resolve("hf:tiny/Drop-GGUF")
+    blobs = hub_env / "hf-cache" / "models--tiny--Drop-GGUF" / "blobs"
+    [partial] = list(blobs.iterdir())
+    kept = partial.stat().st_size
+    assert partial.name == f"{_sha(tiny_files['big'])}.incomplete" and kept >= 10 * 2**20
+    assert store.resolve("hf:tiny/Drop-GGUF").read_bytes() == tiny_files["big"]
+    gets = [r for m, r in hub_server.gets("Drop-Q4_K_M.gguf") if m == "GET"]
+    assert gets == [None, f"bytes={kept}-"], gets
+
+
 def test_a_wrong_checksum_is_refused_and_nothing_stays_under_the_name(hub_env, hub_server, tiny_files):
     hub_server.state.corrupt.add(("tiny/Corrupt-GGUF", "Corrupt-Q4_K_M.gguf"))
     try:
