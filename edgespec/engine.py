@@ -241,6 +241,10 @@ class Engine:
 
         if draft is None:
             draft = store.bundle_draft(target)  # an exported bundle names its own draft
+        elif draft == "auto":  # an installed model whose vocabulary matches the target's (the CLI says which)
+            from edgespec.models.pairs import auto_draft
+
+            draft = auto_draft(target)[0]
         if n_gpu_layers is None:  # None = all layers where a GPU build has a GPU, else 0
             from edgespec.hardware import resolve_gpu_layers
 
