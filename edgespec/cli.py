@@ -216,17 +216,30 @@ def profile(
     threads: int = THREADS,
     gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: detected]"),
     refresh: bool = typer.Option(False, "--refresh", help="measure again even if a cached profile exists"),
+    curve: int = typer.Option(0, "--curve", help="also time every verify pass of 1..N tokens (N = k + 1; 0 = off)"),
+    tree_widths: str = typer.Option("1,2,3,4", "--tree-widths", help="with --curve: token-tree widths to time "
+                                    "(trees of 4, 8, 16 nodes; widths > 1 need --draft)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
 ) -> None:
     """Measure (or show the cached) costs that `--mode auto` weighs: verify pass by size, draft step, lookup."""
     import json
 
+    try:
+        widths = tuple(sorted({int(w) for w in tree_widths.split(",") if w.strip()}))
+    except ValueError:
+        raise EdgespecError(f"--tree-widths takes whole numbers like 1,2,4, not {tree_widths!r}") from None
+    if curve < 0 or curve > 512 or any(w < 1 for w in widths):
+        raise EdgespecError("--curve must be between 0 and 512 and --tree-widths at least 1")
     with load_engine(target, draft, "auto", ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=None,
                      cache_type_k="f16", cache_type_v="f16", verbose=verbose) as engine:
         prof = engine.cost_profile(refresh=refresh)
+        if curve:
+            from edgespec.costcurve import measure_curve
+
+            measured = measure_curve(engine.target, max_batch=curve, tree_widths=widths)
     if as_json:
-        typer.echo(json.dumps(prof.to_dict()))
+        typer.echo(json.dumps({**prof.to_dict(), **({"curve": measured} if curve else {})}))
         return
     plain = prof.verify(1)
     typer.echo(f"target verify pass (measured in {prof.measured_in_s:.1f}s; plain decoding {1 / plain:.1f} tok/s):")
@@ -235,6 +248,14 @@ def profile(
     if prof.draft_s is not None:
         typer.echo(f"draft step: {prof.draft_s * 1000:.2f} ms ({prof.draft_s / plain:.2f} x a target step)")
     typer.echo(f"lookup proposal: {prof.lookup_s * 1e6:.0f} us")
+    if curve:
+        typer.echo(f"verify curve (measured in {measured['measured_in_s']:.1f}s), x one step: " + ", ".join(
+            f"{n}: {r:.2f}" for n, r in measured["verify_steps"].items()))
+        for width, sizes in measured["tree_vs_chain"].items():
+            typer.echo(f"  tree width {width}, x a chain of as many nodes: "
+                       + ", ".join(f"{n} nodes {r:.2f}" for n, r in sizes.items()))
+        for note in measured["skipped"]:
+            typer.echo(f"  skipped: {note}")
 
 
 # --- edgespec models: the catalog and the local model store ----------------------------------
