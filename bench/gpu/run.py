@@ -53,11 +53,10 @@ NO_AMX = "-U__AMX_INT8__ -U__AMX_TILE__ -U__AMX_BF16__"  # as scripts/install.sh
 # Only the libraries the Python package loads: no tools, examples, tests, server, mtmd, TLS, ccache.
 BUILD_FLAGS = ("-DGGML_CUDA=on", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF",
-               "-DGGML_CCACHE=OFF", "-DGGML_CUDA_NCCL=OFF", f"-DCMAKE_C_FLAGS='{NO_AMX}'",
-               f"-DCMAKE_CXX_FLAGS='{NO_AMX}'")
+               "-DGGML_CCACHE=OFF", "-DGGML_CUDA_NCCL=OFF")
 
 PHASES = ("build", "install", "models", "doctor", "profile", "generate", "guard", "report")
-BUDGET_S = {"build": 480, "install": 90, "models": 180, "doctor": 30, "profile": 120, "generate": 240,
+BUDGET_S = {"build": 560, "install": 90, "models": 180, "doctor": 30, "profile": 120, "generate": 240,
             "guard": 150, "report": 10}
 GPU_SIZES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")
 DRAFT_KS = tuple(range(1, 9))
@@ -192,6 +191,101 @@ def cuda_arch(args) -> str | None:
     return gpus[0]["compute_cap"].replace(".", "") if gpus and gpus[0]["compute_cap"] else None
 
 
+def toolkit_dirs() -> list[Path]:
+    """The CUDA toolkit's root(s): nvcc's, $CUDA_PATH, /usr/local/cuda."""
+    roots = [Path(shutil.which("nvcc")).resolve().parents[1]] if shutil.which("nvcc") else []
+    roots += [Path(p) for p in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
+    return [r for i, r in enumerate(roots) if r.is_dir() and r not in roots[:i]]
+
+
+def cublas_dirs(search: list[Path] | None = None) -> tuple[Path, Path] | None:
+    """(include dir, lib dir) of a cuBLAS outside the toolkit: the nvidia-cublas wheel torch installs
+    (site-packages/nvidia/cu13/{include,lib}, or nvidia/cublas/ for CUDA 12). A toolkit made of nvcc
+    alone (as on the machines this runs on) has no cuBLAS, and ggml-cuda links it."""
+    import site
+
+    search = search if search is not None else [Path(p) for p in (*site.getsitepackages(), site.getusersitepackages())]
+    for base in search:
+        for header in sorted(base.glob("nvidia/*/include/cublas_v2.h")):
+            lib = header.parents[1] / "lib"
+            if list(lib.glob("libcublas.so*")) and list(lib.glob("libcublasLt.so*")):
+                return header.parent, lib
+    return None
+
+
+def driver_library() -> Path | None:
+    """The NVIDIA driver's libcuda.so.1 (ldconfig's cache, else the usual folders)."""
+    listed = sh(["ldconfig", "-p"]).stdout if shutil.which("ldconfig") else ""
+    m = re.search(r"libcuda\.so\.1 \(libc6,x86-64\) => (\S+)", listed)
+    candidates = [Path(m.group(1))] if m else []
+    candidates += [Path(p) / "libcuda.so.1" for p in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/nvidia/lib64",
+                                                       "/usr/lib/wsl/lib")]
+    return next((c for c in candidates if c.exists()), None)
+
+
+def cuda_flags(work: Path, search: list[Path] | None = None, driver: Path | None | bool = True) -> tuple[list[str], dict]:
+    """CMake flags for ggml-cuda's libraries, where a toolkit made of nvcc alone (as on the machines
+    this runs on) lacks them: cuBLAS from the nvidia-cublas wheel torch installs (headers on the
+    include path, unversioned links in a shim folder, since find_library wants libcublas.so), and the
+    driver's libcuda.so.1 linked as libcuda.so (no toolkit stubs); without a driver, VMM is off."""
+    cxx_flags, cuda_includes, links = NO_AMX, "", {}
+    note: dict = {"cublas": "toolkit", "cuda_driver": "toolkit"}
+    extra: list[str] = []
+    toolkits = toolkit_dirs()
+    if not any((r / "include" / "cublas_v2.h").is_file() for r in toolkits):
+        found = cublas_dirs(search)
+        if found is None:
+            note["cublas"] = "not found (neither the toolkit nor an nvidia-cublas wheel has cublas_v2.h)"
+        else:
+            include, lib = found
+            for real in lib.glob("libcublas*.so.*"):
+                stem = real.name.split(".so")[0]
+                links.update({f"{stem}.so": real, real.name: real})
+            cxx_flags += f" -I{include}"
+            cuda_includes = f"-I{include}"
+            note.update(cublas=f"nvidia-cublas wheel: {include.parent}", library_dir=str(lib))
+    if not any(list(r.glob("lib64/libcuda.so")) + list(r.glob("lib64/stubs/libcuda.so")) for r in toolkits):
+        libcuda = driver_library() if driver is True else (driver or None)
+        if libcuda is not None:
+            links["libcuda.so"] = libcuda
+            note["cuda_driver"] = f"driver library {libcuda}"
+        else:
+            extra.append("-DGGML_CUDA_NO_VMM=ON")  # VMM is the only part that links libcuda directly
+            note["cuda_driver"] = "no libcuda.so.1 found: built with GGML_CUDA_NO_VMM"
+    flags = [*BUILD_FLAGS, *extra, f"-DCMAKE_C_FLAGS='{NO_AMX}'", f"-DCMAKE_CXX_FLAGS='{cxx_flags}'"]
+    if cuda_includes:
+        flags.append(f"-DCMAKE_CUDA_FLAGS='{cuda_includes}'")
+    if links:
+        shim = work / "cuda-shim"
+        shutil.rmtree(shim, ignore_errors=True)
+        shim.mkdir(parents=True)
+        for name, real in links.items():
+            (shim / name).symlink_to(real)
+        flags.append(f"-DCMAKE_LIBRARY_PATH={shim}")
+    return flags, note
+
+
+def runtime_library_dirs() -> list[str]:
+    """Folders the dynamic loader needs for a CUDA build: the wheels' cuBLAS, the toolkit's cudart."""
+    dirs = []
+    found = cublas_dirs()
+    if found:
+        dirs.append(str(found[1]))
+    dirs += [str(r / "lib64") for r in toolkit_dirs() if list((r / "lib64").glob("libcudart.so*"))]
+    return dirs
+
+
+def ensure_library_path(argv: list[str]) -> None:
+    """Start again with LD_LIBRARY_PATH naming those folders: the loader reads it only at start-up, and
+    llama.cpp's CUDA library is loaded in this process (generate phase) and in the edgespec children."""
+    have = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    missing = [d for d in runtime_library_dirs() if d not in have]
+    if missing and not os.environ.get("EDGESPEC_GPU_BENCH_LIBS"):
+        env = {**os.environ, "LD_LIBRARY_PATH": ":".join(missing + have), "EDGESPEC_GPU_BENCH_LIBS": "1"}
+        print(f"bench/gpu/run.py: restarting with LD_LIBRARY_PATH += {':'.join(missing)}", flush=True)
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+
+
 def pip_command() -> list[str]:
     """pip of this interpreter, else the carried pip wheel run as a zip (a venv made without pip)."""
     if sh([sys.executable, "-m", "pip", "--version"]).returncode == 0:
@@ -218,8 +312,9 @@ def llama_offloads() -> tuple[bool | None, str]:
 def phase_build(run: Run, until: float) -> str | None:
     args = run.args
     arch = cuda_arch(args)
-    cmake_args = " ".join((*BUILD_FLAGS, f"-DCMAKE_CUDA_ARCHITECTURES={arch or 'native'}"))
-    info = run.results["build"] = {"cmake_args": cmake_args, "cuda_arch": arch, "sdist": str(CARRY / SDIST)}
+    flags, cublas = cuda_flags(run.work)
+    cmake_args = " ".join((*flags, f"-DCMAKE_CUDA_ARCHITECTURES={arch or 'native'}"))
+    info = run.results["build"] = {"cmake_args": cmake_args, "cuda_arch": arch, "sdist": str(CARRY / SDIST), **cublas}
     offload, version = llama_offloads()
     info["installed_before"] = {"gpu_offload": offload, "version": version}
     if args.build == "no":
@@ -252,7 +347,7 @@ def phase_build(run: Run, until: float) -> str | None:
         tmp.mkdir(parents=True)
         env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 4),
                "FORCE_CMAKE": "1"}
-        argv = [*pip_command(), "wheel", "--no-deps", "--no-build-isolation", "--no-index", "--find-links",
+        argv = [*pip_command(), "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index", "--find-links",
                 str(CARRY / "wheels"), "-w", str(tmp), str(source)]
         run.log(f"  CMAKE_ARGS={cmake_args}")
         log_file = run.work / "build.log"
@@ -727,6 +822,7 @@ def markdown(r: dict) -> str:
 
 def phase_report(run: Run, until: float) -> str | None:
     run.results["elapsed_s"] = round(run.elapsed(), 1)
+    run.results["phases"]["report"] = {"status": "ok", "seconds": 0.0, "budget_s": BUDGET_S["report"]}
     run.out.mkdir(parents=True, exist_ok=True)
     tmp_json, tmp_md = run.out / ".gpu_bench.json.partial", run.out / ".gpu_bench.md.partial"
     tmp_json.write_text(json.dumps(run.results, indent=1, default=str))
@@ -788,6 +884,7 @@ def without_phases(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    ensure_library_path(argv)
     run = Run(args)
     os.environ["EDGESPEC_HOME"] = str(run.work / "home")  # profiles and calibrations of this run, in and out of process
     run.results.setdefault("machine", describe_machine())
