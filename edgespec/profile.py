@@ -171,7 +171,9 @@ def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | Non
     if device is None:
         from edgespec.hardware import detect, device_key
 
-        device = device_key(detect(llama_cpp=True, onnxruntime=False, nvml=False))
+        # NVML as doctor and the planner ask it: without it a GPU has no compute capability and the key
+        # read "cuda-NVIDIA_H200-smunknown" where docs/install.md (and doctor) say "...-sm90".
+        device = device_key(detect(llama_cpp=True, onnxruntime=False))
     key = profile_key(target, draft, device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = profile_dir() / f"{digest}.json"
