@@ -144,3 +144,15 @@ def test_without_phases_drops_both_spellings():
     assert run.without_phases(["--sizes", "tiny", "--phases", "build,install", "--repeats", "1"]) == \
         ["--sizes", "tiny", "--repeats", "1"]
     assert run.without_phases(["--phases=build", "--resume"]) == ["--resume"]
+
+
+def test_policy_predict_reads_the_profile_the_bench_writes(bench_run):
+    """Item 3's pipeline: the GPU's measured costs plus acceptance measured elsewhere -> auto's choice."""
+    from edgespec.bench.policy_predict import load_profile, predict
+
+    profile = load_profile(bench_run["out"] / "profile-tiny.json")
+    assert profile.verify(1) == pytest.approx(float(bench_run["json"]["profile"]["tiny"]["verify_s"]["1"]))
+    sure = predict({"draft": np.full(8, 1.0)}, profile)["draft"]  # every draft accepted
+    never = predict({"draft": np.zeros(8)}, profile)["draft"]
+    assert never["chosen_k"] == 0 and never["predicted_speedup_vs_plain"] == 1.0
+    assert sure["expected_tokens_per_pass"] >= 1.0 and sure["predicted_speedup_vs_plain"] >= 1.0

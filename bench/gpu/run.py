@@ -522,6 +522,10 @@ def phase_profile(run: Run, until: float) -> str | None:
         run.log(f"  {size}: one step {prof['curve']['verify_s']['1'] * 1000:.2f} ms; verify of 17 = "
                 f"{steps.get(str(run.args.curve), float('nan'))} steps; draft step "
                 f"{(prof['draft_s'] or 0) / prof['verify_s']['1']:.2f} of a target step")
+        doctor_key = run.results.get("doctor", {}).get("device_key")
+        if doctor_key:
+            run.check(f"{size}: the profile is keyed by doctor's device key", prof["key"]["device"] == doctor_key,
+                      f"profile {prof['key']['device']}, doctor {doctor_key}")
         run.check(f"{size}: the curve has every pass size 1..{run.args.curve}",
                   len(prof["curve"]["verify_s"]) == run.args.curve, f"{len(prof['curve']['verify_s'])} sizes")
     return None
