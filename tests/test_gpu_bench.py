@@ -26,7 +26,7 @@ def bench_run(tmp_path_factory):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {"stdout": done.stdout, "json": json.loads((out / "gpu_bench.json").read_text()),
-            "md": (out / "gpu_bench.md").read_text(), "out": out}
+            "md": (out / "gpu_bench.md").read_text(), "out": out, "argv": argv}
 
 
 def test_every_phase_ran_and_the_skips_say_why(bench_run):
@@ -156,3 +156,17 @@ def test_policy_predict_reads_the_profile_the_bench_writes(bench_run):
     never = predict({"draft": np.zeros(8)}, profile)["draft"]
     assert never["chosen_k"] == 0 and never["predicted_speedup_vs_plain"] == 1.0
     assert sure["expected_tokens_per_pass"] >= 1.0 and sure["predicted_speedup_vs_plain"] >= 1.0
+
+
+def test_a_second_call_keeps_the_first_calls_phases(bench_run, tmp_path):
+    """On the GPU the build gets a call of its own; the report of the next call still holds it."""
+    out = tmp_path / "second"
+    argv = [a for a in bench_run["argv"]]
+    argv[argv.index("--out") + 1] = str(out)
+    done = subprocess.run(argv + ["--phases", "doctor,report"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    second = json.loads((out / "gpu_bench.json").read_text())
+    assert second["phases"]["build"]["status"] == "skipped" and second["generate"]["tiny"]
+    assert "; then " in second["command"] and second["command"].endswith("--phases doctor,report")
+    names = [c["name"] for c in second["checks"]]
+    assert len(names) == len(set(names))  # doctor ran twice; its checks are not doubled

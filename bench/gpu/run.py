@@ -79,10 +79,14 @@ class Run:
         self.results: dict = {"command": "python3 bench/gpu/run.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                               "phases": {}, "checks": []}
-        if args.resume and self.partial.is_file():
+        self.current = None
+        if self.partial.is_file() and not args.fresh:  # an earlier call's phases (the build) stay in the report
             previous = json.loads(self.partial.read_text())
-            self.t0 -= previous.get("elapsed_s", 0.0)  # the deadline counts the first interpreter's time
-            self.results = {**previous, "phases": previous["phases"], "checks": previous["checks"]}
+            if args.resume:  # a restart after the install: the deadline counts the first interpreter's time
+                self.t0 -= previous.get("elapsed_s", 0.0)
+            else:
+                previous["command"] = f"{previous['command']}; then {self.results['command']}"
+            self.results = previous
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -95,7 +99,7 @@ class Run:
 
     def check(self, name: str, ok: bool | None, detail: str = "") -> None:
         """A finding: ok True/False, or None where it does not apply here (the detail says why)."""
-        self.results["checks"].append({"name": name, "ok": ok, "detail": detail})
+        self.results["checks"].append({"phase": self.current, "name": name, "ok": ok, "detail": detail})
         mark = {True: "ok", False: "FAILED", None: "n/a"}[ok]
         self.log(f"  check {mark}: {name}{' - ' + detail if detail else ''}")
 
@@ -110,6 +114,8 @@ class Run:
             self.log(f"phase {name}: skipped (deadline)")
             return
         self.log(f"phase {name} (budget {budget:.0f}s)")
+        self.current = name
+        self.results["checks"] = [c for c in self.results["checks"] if c.get("phase") != name]  # a re-run replaces them
         start = time.monotonic()
         entry: dict = {"budget_s": round(budget)}
         try:
@@ -345,6 +351,11 @@ def phase_build(run: Run, until: float) -> str | None:
         tmp = wheels.with_name(wheels.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if sh([sys.executable, "-c", "import scikit_build_core"]).returncode != 0:  # the sdist's build backend
+            done = sh([*pip_command(), "install", "--quiet", "--no-index", "--find-links", str(CARRY / "wheels"),
+                       "scikit-build-core"])
+            if done.returncode != 0:
+                raise RuntimeError(f"installing scikit-build-core from {CARRY / 'wheels'} failed: {done.stderr[-400:]}")
         env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 4),
                "FORCE_CMAKE": "1"}
         argv = [*pip_command(), "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index", "--find-links",
@@ -862,6 +873,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--curve", type=int, default=17, help="profile verify passes of 1..N tokens (k = 0..N-1)")
     ap.add_argument("--guard-size", default="qwen2.5-1.5b", help="model size the memory-guard phase runs")
     ap.add_argument("--deadline-s", type=float, default=570.0, help="stop starting phases after this long")
+    ap.add_argument("--fresh", action="store_true", help="forget earlier calls' results (kept in --work)")
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # a re-exec after the install
     args = ap.parse_args(argv)
     args.phases = [p for p in args.phases.split(",") if p]
