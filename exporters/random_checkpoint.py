@@ -10,14 +10,16 @@ the draft step, the memory a plan predicts) is measured on the shapes that matte
 The directory holds what the exporters read besides weights (config.json, a byte-level BPE
 tokenizer.json with Qwen2's pre-tokenizer trained on a built-in text, tokenizer_config.json with a
 ChatML template); the weights are never written as safetensors: `tensor(name)` draws each one when
-the GGUF writer asks for it, from a stream keyed by (seed, tensor name, chunk), in parallel threads
-(numpy releases the GIL while filling), so a 7B model's 15 GB of f16 costs seconds, not a 15 GB
-intermediate file. Memory: one tensor at a time (the largest, a 7B's embedding, is 1.1 GB of f16).
+the GGUF writer asks for it, from a stream keyed by (seed, tensor name, chunk), in parallel threads:
+random sign and mantissa bits under one exponent, straight from the bit generator (about 50 times
+cheaper than normal draws: about 600 M 64-bit words, 2.4 G weights, per second on one core here), so a 7B model's 15 GB
+of f16 costs seconds, not a 15 GB intermediate file. Memory: one tensor at a time (the largest, a
+7B's embedding, is 1.1 GB of f16).
 
 The tokenizer has about a thousand tokens; the embedding keeps the real vocabulary's rows (151936),
 and ids past the tokenizer are `[PAD<i>]` tokens, as the exporter writes for any padded embedding.
-Weights are N(0, 0.02) (Qwen2's initializer range) except the output matrix, whose standard deviation
-is `logit_scale / sqrt(hidden)`: the logits then spread by about `logit_scale`, so next-token
+Weights have a random sign and a magnitude uniform within one power of two, their rms within 1.4x of
+0.02 (Qwen2's initializer range), except the output matrix, whose rms is about `logit_scale / sqrt(hidden)`: the logits then spread by about `logit_scale`, so next-token
 distributions are peaked like a trained model's rather than flat, and a lower-bit copy mostly agrees
 with the original (a flat distribution's argmax flips at the slightest noise). The output rows of the
 special tokens are zero, so a random model practically never ends its generation by itself.
@@ -115,29 +117,38 @@ class RandomCheckpoint(Checkpoint):
         shape = self.tensors[name].shape
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             return np.ones(shape, dtype=np.float16)
-        out = np.empty(int(np.prod(shape)), dtype=np.float16)
-        std = np.float32(self._std(name))
+        bits = np.empty(int(np.prod(shape)), dtype=np.uint16)
+        exponent = np.uint16(_f16_exponent(self._std(name)) << 10)
         key = zlib.crc32(name.encode())
 
         def fill(chunk: int) -> None:
+            # Random sign and mantissa bits under one exponent: |w| uniform in [2^e, 2^(e+1)). Raw
+            # generator words cost a fiftieth of normal draws (a 7B model is 7.6e9 weights).
             start = chunk * CHUNK_ELEMENTS
-            part = out[start:start + CHUNK_ELEMENTS]
+            part = bits[start:start + CHUNK_ELEMENTS]
             rng = np.random.default_rng([self.seed, key, chunk])
-            values = rng.standard_normal(len(part), dtype=np.float32)
-            np.multiply(values, std, out=values)
-            part[:] = values  # the f32 -> f16 cast also runs without the GIL
+            raw = rng.bit_generator.random_raw(-(-len(part) // 4)).view(np.uint16)[:len(part)]
+            np.bitwise_and(raw, np.uint16(0x83FF), out=part)
+            np.bitwise_or(part, exponent, out=part)
 
-        n_chunks = -(-len(out) // CHUNK_ELEMENTS)
+        n_chunks = -(-len(bits) // CHUNK_ELEMENTS)
         if n_chunks == 1 or self.n_threads == 1:
             for c in range(n_chunks):
                 fill(c)
         else:
             with ThreadPoolExecutor(min(self.n_threads, n_chunks)) as pool:
                 list(pool.map(fill, range(n_chunks)))
-        out = out.reshape(shape)
+        out = bits.view(np.float16).reshape(shape)
         if name in ("lm_head.weight", "model.embed_tokens.weight") and self._std(name) != INIT_STD:
             out[list(self.special_ids)] = 0  # special tokens score 0, far below the peaked top logits
         return out
+
+
+def _f16_exponent(std: float) -> int:
+    """The f16 exponent field whose magnitudes [2^e, 2^(e+1)) have an rms nearest `std` (rms of a
+    uniform magnitude there is 1.528 x 2^e), so the drawn weights' spread is within 1.4x of it."""
+    e = int(round(np.log2(std / 1.528)))
+    return min(30, max(1, e + 15))
 
 
 def train_tokenizer(directory: Path, vocab_size: int = TOKENIZER_SIZE) -> dict[str, int]:

@@ -92,7 +92,7 @@ def test_random_checkpoint_has_real_shapes_and_seeded_weights(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     a, b = small.tensor(name), again.tensor(name)
     assert a.dtype == np.float16 and a.shape == (64, 128) and np.array_equal(a, b)  # threads do not change it
-    assert abs(float(a.astype(np.float32).std()) - 0.02) < 0.003
+    assert 0.02 / 1.5 < float(a.astype(np.float32).std()) < 0.02 * 1.5 and abs(float(a.mean())) < 0.005
     assert not np.array_equal(a, random_checkpoint("tiny", tmp_path / "tiny3", seed=4).tensor(name))
     head = small.tensor("model.embed_tokens.weight")  # tied: the output matrix, peaked logits
     assert np.all(head[list(small.special_ids)] == 0)
