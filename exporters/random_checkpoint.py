@@ -12,14 +12,15 @@ tokenizer.json with Qwen2's pre-tokenizer trained on a built-in text, tokenizer_
 ChatML template); the weights are never written as safetensors: `tensor(name)` draws each one when
 the GGUF writer asks for it, from a stream keyed by (seed, tensor name, chunk), in parallel threads:
 random sign and mantissa bits under one exponent, straight from the bit generator (about 50 times
-cheaper than normal draws: about 600 M 64-bit words, 2.4 G weights, per second on one core here), so a 7B model's 15 GB
-of f16 costs seconds, not a 15 GB intermediate file. Memory: one tensor at a time (the largest, a
-7B's embedding, is 1.1 GB of f16).
+cheaper than normal draws: some 600 M 64-bit words, 2.4 G weights, per second on one core here), so
+a 7B model's 15 GB of f16 costs seconds, not a 15 GB intermediate file. Memory: one tensor at a time
+(the largest, a 7B's embedding, is 1.1 GB of f16).
 
 The tokenizer has about a thousand tokens; the embedding keeps the real vocabulary's rows (151936),
 and ids past the tokenizer are `[PAD<i>]` tokens, as the exporter writes for any padded embedding.
 Weights have a random sign and a magnitude uniform within one power of two, their rms within 1.4x of
-0.02 (Qwen2's initializer range), except the output matrix, whose rms is about `logit_scale / sqrt(hidden)`: the logits then spread by about `logit_scale`, so next-token
+0.02 (Qwen2's initializer range), except the output matrix, whose rms is about
+`logit_scale / sqrt(hidden)`: the logits then spread by about `logit_scale`, so next-token
 distributions are peaked like a trained model's rather than flat, and a lower-bit copy mostly agrees
 with the original (a flat distribution's argmax flips at the slightest noise). The output rows of the
 special tokens are zero, so a random model practically never ends its generation by itself.
