@@ -170,3 +170,12 @@ def test_a_second_call_keeps_the_first_calls_phases(bench_run, tmp_path):
     assert "; then " in second["command"] and second["command"].endswith("--phases doctor,report")
     names = [c["name"] for c in second["checks"]]
     assert len(names) == len(set(names))  # doctor ran twice; its checks are not doubled
+
+
+def test_profile_refuses_bad_curve_options_in_one_line():
+    for flags, words in ((["--tree-widths", "x"], "--tree-widths takes whole numbers"),
+                         (["--curve", "-1"], "--curve must be between 0 and 512")):
+        done = subprocess.run([sys.executable, "-m", "edgespec.cli", "profile", *flags], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {words}") and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
