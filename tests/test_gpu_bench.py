@@ -54,7 +54,7 @@ def test_models_profile_and_modes_are_in_the_json(bench_run):
     assert json.loads((bench_run["out"] / "profile-tiny.json").read_text())["verify_s"]
     rows = r["generate"]["tiny"]
     assert [(row["mode"], row["k"]) for row in rows] == (
-        [("ar", 0)] + [("draft", k) for k in range(1, 9)] + [("lookup", 4), ("auto", None)])
+        [("ar", 0)] + [("draft", k) for k in range(1, 9)] + [("lookup", 4), ("suffix", None), ("auto", None)])
     for row in rows:
         assert row["status"] == "ok" and row["generated"] == 16 and row["tokens_per_s"] > 0
     assert rows[0]["x_plain"] == 1.0

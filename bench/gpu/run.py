@@ -16,7 +16,7 @@ of its points marked skipped, and the whole run stops at --deadline-s):
             as f16, with a lower-bit copy of each as its self-draft
   doctor    `edgespec doctor --json`, checked against what the machine is
   profile   `edgespec profile --curve 17 --tree-widths 1,2,3,4`: verify cost for k = 0..16, tree widths
-  generate  plain, draft k = 1..8, lookup and auto on each size (medians of --repeats)
+  generate  plain, draft k = 1..8, lookup, suffix and auto on each size (medians of --repeats)
   guard     `edgespec plan` and `generate --budget --gpu-budget` against NVML readings of the process
   report    $OUT/gpu_bench.json and $OUT/gpu_bench.md ($OUT defaults to bench/gpu/out)
 
@@ -550,7 +550,11 @@ def phase_generate(run: Run, until: float) -> str | None:
     from edgespec.engine import Engine, GenerationConfig
 
     gen = run.results.setdefault("generate", {})
-    modes = [("ar", 0)] + [("draft", k) for k in DRAFT_KS] + [("lookup", 4), ("auto", None)]
+    from edgespec.policy import MODES
+
+    modes = [("ar", 0)] + [("draft", k) for k in DRAFT_KS] + [("lookup", 4)]
+    modes += [("suffix", None)] if "suffix" in MODES else []  # suffix drafting (its default k)
+    modes += [("auto", None)]
     for size in ready_sizes(run):
         m = run.results["models"][size]
         rows = gen[size] = []
@@ -812,7 +816,8 @@ def markdown(r: dict) -> str:
                     out.append(f"| {row['mode']} | {row['k'] or ''} | skipped | | | | | |")
                     continue
                 chosen = ", ".join(f"{k} x{v}" for k, v in sorted(row["chosen"].items(), key=lambda kv: -kv[1])[:3])
-                out.append(f"| {row['mode']} | {row['k'] if row['k'] is not None else 'auto'} | {row['tokens_per_s']} | "
+                k = row["k"] if row["k"] is not None else "auto" if row["mode"] == "auto" else "default"
+                out.append(f"| {row['mode']} | {k} | {row['tokens_per_s']} | "
                            f"{row.get('x_plain', '')} | {row['acceptance_rate']} | {row['mean_accepted_length']} | "
                            f"{row['same_as_plain']} | {chosen} |")
     g = r.get("guard")
