@@ -284,6 +284,8 @@ def runtime_library_dirs() -> list[str]:
 def ensure_library_path(argv: list[str]) -> None:
     """Start again with LD_LIBRARY_PATH naming those folders: the loader reads it only at start-up, and
     llama.cpp's CUDA library is loaded in this process (generate phase) and in the edgespec children."""
+    if not nvidia_gpus():  # no GPU: llama.cpp runs its CPU build, nothing CUDA to load
+        return
     have = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
     missing = [d for d in runtime_library_dirs() if d not in have]
     if missing and not os.environ.get("EDGESPEC_GPU_BENCH_LIBS"):
