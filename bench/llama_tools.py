@@ -34,10 +34,10 @@ def tools_dir() -> Path:
     return base / f"{LLAMA_CPP_PYTHON}-{key}" / "bin"
 
 
-def ensure_tools(log=sys.stderr) -> Path:
-    """The folder holding every tool in TOOLS, building them first if the cache lacks one."""
+def ensure_tools(needed: tuple[str, ...] = TOOLS, log=sys.stderr) -> Path:
+    """The folder holding the `needed` tools, building all of TOOLS first if the cache lacks one."""
     bin_dir = tools_dir()
-    if all((bin_dir / t).is_file() for t in TOOLS):
+    if all((bin_dir / t).is_file() for t in needed):
         return bin_dir
     if shutil.which("cmake") is None:
         raise RuntimeError("building llama.cpp's tools needs cmake (apt-get install cmake)")

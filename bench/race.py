@@ -19,7 +19,7 @@ structured requests), as a server that answered them in that order would hold; n
 Systems, interleaved per prompt (every system runs a prompt before the next prompt starts):
 edgespec `ar`, `lookup` and `draft` at each k of --ks, `suffix`, `auto`; llama.cpp's
 `llama-completion` (plain), `llama-speculative-simple` with the draft model and `llama-lookup`, at
---draft-max in --cpp-ks, built from the llama.cpp that llama-cpp-python vendors (bench/llama_tools.py).
+--spec-draft-n-max in --cpp-ks, built from the llama.cpp that llama-cpp-python vendors (bench/llama_tools.py).
 
 Speed is decode tokens/s: generated tokens / decode time, prefill excluded, as each system times
 itself: edgespec's stats (generated / decode_s) and the C++ tools' own timers ('decoded N tokens in
@@ -156,15 +156,16 @@ def run_model(setup, args, threads: int, log) -> list[Run]:
     if not args.no_cpp:
         from edgespec.bench.llama_tools import ensure_tools
 
-        tools = ensure_tools()
+        tools = ensure_tools(("llama-completion", "llama-speculative-simple", "llama-lookup"))
     edgespec_systems = ([(PLAIN, "ar", None)] + [(f"edgespec lookup k={k}", "lookup", k) for k in args.ks]
                         + [(f"edgespec draft k={k}", "draft", k) for k in args.ks]
                         + [("edgespec suffix", "suffix", None), ("edgespec auto", "auto", None)])
     cpp_systems = [] if tools is None else (
         [(CPP_PLAIN, tools / "llama-completion", ["-m", str(target)])]
         + [(f"llama.cpp speculative n={k}", tools / "llama-speculative-simple",
-            ["-m", str(target), "-md", str(draft), "--draft-max", str(k), "--draft-min", "0"]) for k in args.cpp_ks]
-        + [(f"llama.cpp lookup n={k}", tools / "llama-lookup", ["-m", str(target), "--draft-max", str(k)])
+            ["-m", str(target), "-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+             "--spec-draft-n-min", "0"]) for k in args.cpp_ks]
+        + [(f"llama.cpp lookup n={k}", tools / "llama-lookup", ["-m", str(target), "--spec-draft-n-max", str(k)])
            for k in args.cpp_ks])
 
     conversations = load_workloads()["conversations"][:args.limit]
@@ -388,7 +389,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--per-category", type=int, default=2, help="shipped prompts per category")
     p.add_argument("--ks", default="1,2,4,8", help="fixed draft lengths for edgespec lookup and draft")
-    p.add_argument("--cpp-ks", default="2,4,8", help="--draft-max values for llama.cpp's speculative tools")
+    p.add_argument("--cpp-ks", default="2,4,8", help="--spec-draft-n-max values for llama.cpp's speculative tools")
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--no-cpp", action="store_true", help="skip llama.cpp's C++ tools")
     p.add_argument("--limit", type=int, default=None, help="a quick check: at most this many shipped prompts per category, structured requests, "
