@@ -363,6 +363,7 @@ def deploy(app_name: str, application, options: RayOptions, *, host: str, port: 
            ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> RayDeployment:
     """Start (or join) Ray, start Serve's HTTP proxy on host:port, run the application, wait until ready."""
     started = connect(options)
+    _stop_on_sigterm()  # after ray.init, whose own handler would abort the process without cleaning up
     try:
         http = {"host": host.strip("[]"), "port": port}
         if ssl_certfile:
@@ -394,24 +395,30 @@ def _proxy_port() -> int | None:
         return None
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM: stop as Ctrl-C does."""
+
+
+def _stop_on_sigterm() -> None:
+    import signal
+    import threading
+
+    def on_sigterm(signum, frame):
+        raise _Stopped()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def serve_until_stopped(deployment: RayDeployment, banner: str) -> None:
     """The foreground of `edgespec serve --ray`: print, wait for Ctrl-C or SIGTERM, then clean up."""
-    import signal
-
-    stop = {"now": False}
-
-    def on_signal(signum, frame):
-        stop["now"] = True
-
-    previous = signal.signal(signal.SIGTERM, on_signal)
     print(banner, file=sys.stderr, flush=True)
     try:
-        while not stop["now"]:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
+        while True:
+            time.sleep(0.5)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
         deployment.shutdown()
 
 
