@@ -157,22 +157,39 @@ class SessionAffinityRouter(RequestRouter):
     """A session's requests go to the replica that holds it; anything else to the least loaded.
 
     The route is the `route` argument of `VerifierReplica.forward` (the replica id taken from the
-    session id). Least loaded: fewest sessions (each replica reports them every second), then, within
-    that rank, the base class picks the replica with the fewest requests in flight, which also
-    spreads a burst of starts that arrive before the next report.
+    session id). Least loaded: fewest sessions, as each replica reports them every second plus
+    those this router has sent it since that report (a burst of starts arrives faster than
+    reports), then the fewest requests in flight.
     """
+
+    def initialize_state(self, **kwargs) -> None:
+        self._placed: dict[str, tuple[Any, int]] = {}  # replica id -> (the report counted from, starts sent since)
+
+    def _load(self, replica: RunningReplica) -> tuple[int, int]:
+        stats = replica.routing_stats or {}
+        report = stats.get("reported_at")
+        seen, placed = self._placed.get(replica.replica_id.unique_id, (report, 0))
+        if seen != report:  # a newer report counts them already
+            placed = 0
+        self._placed[replica.replica_id.unique_id] = (report, placed)
+        in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return int(stats.get("sessions", 0)) + placed, in_flight
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        route = pending_request.kwargs.get("route") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        route = kwargs.get("route")
         if route:
             holder = [r for r in candidate_replicas if r.replica_id.unique_id == route]
             if holder:  # wait for it when it is busy rather than force a rebuild elsewhere
                 return [holder]
-        ranks: dict[int, list[RunningReplica]] = {}
-        for r in candidate_replicas:
-            ranks.setdefault(int((r.routing_stats or {}).get("sessions", 0)), []).append(r)
-        return [ranks[n] for n in sorted(ranks)]
+        if not candidate_replicas:
+            return []
+        ranked = sorted(candidate_replicas, key=self._load)
+        if kwargs.get("opens_session"):
+            report, placed = self._placed[ranked[0].replica_id.unique_id]
+            self._placed[ranked[0].replica_id.unique_id] = (report, placed + 1)
+        return [ranked[:1], ranked[1:]]
 
 
 # --- the verifier's deployments ----------------------------------------------------------------------
@@ -191,9 +208,9 @@ class VerifierReplica:
         self._httpx = httpx
 
     async def forward(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, client: str,
-                      route: str | None = None) -> tuple[int, str, bytes, str]:
+                      route: str | None = None, opens_session: bool = False) -> tuple[int, str, bytes, str]:
         """One HTTP request through the replica's app: (status, content type, body, replica id).
-        `route` is read by the router only."""
+        `route` and `opens_session` are for the router."""
         transport = self._httpx.ASGITransport(app=self.app, client=(client, 0))
         request = self._httpx.Request(method, f"http://replica{path}", headers=headers, content=body)
         response = await transport.handle_async_request(request)
@@ -201,7 +218,7 @@ class VerifierReplica:
         return response.status_code, response.headers.get("content-type", ""), data, self.replica_id
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return {"sessions": len(self.core.sessions)}
+        return {"sessions": len(self.core.sessions), "reported_at": time.monotonic()}
 
     def check_health(self) -> None:
         if not self.core._thread.is_alive():  # the worker that owns the model has died: let Ray replace us
@@ -243,7 +260,8 @@ class VerifierIngress:
             for attempt in range(START_ATTEMPTS if is_start or request.method == "GET" else 1):
                 try:
                     status, ctype, data, replica = await asyncio.wait_for(
-                        self.replicas.forward.remote(request.method, "/" + path, headers, body, client, route=route),
+                        self.replicas.forward.remote(request.method, "/" + path, headers, body, client, route=route,
+                                                    opens_session=is_start),
                         CALL_TIMEOUT_S)
                 except RayActorError:  # the replica died (killed, scaled down, its node lost) under the request
                     if is_start or request.method == "GET":
