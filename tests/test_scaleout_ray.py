@@ -50,6 +50,27 @@ def test_unreachable_ray_address_is_one_line_and_exit_2():
         assert r.returncode == 2 and says in r.stderr and r.stderr.strip().count("\n") == 0, (bad, r.stderr)
 
 
+def test_the_ingress_reads_the_replica_from_the_session_id():
+    """Routing keys: the path's session id, a start's `resume`; anything else is a new session (least loaded)."""
+    import numpy as np
+
+    from edgespec.cloud.protocol import SessionRequest, pack
+    from edgespec.sampling import SamplingParams
+    from edgespec.scaleout import VerifierIngress, replica_of
+
+    route = VerifierIngress._route
+    start = SessionRequest(np.array([1, 2, 3], dtype=np.int32), SamplingParams(temperature=0.0), 7, None)
+    assert route("POST", "/v1/sessions", pack(start.to_wire())) == (None, True)
+    start.resume = "abcd1234.XYZ_-0123456789"
+    assert route("POST", "/v1/sessions", pack(start.to_wire())) == ("abcd1234", True)
+    assert route("POST", "/v1/sessions", b"\xc1 not msgpack") == (None, True)  # the replica says what is wrong
+    assert route("POST", "/v1/sessions/abcd1234.XYZ/verify", b"") == ("abcd1234", False)
+    assert route("DELETE", "/v1/sessions/abcd1234.XYZ", b"") == ("abcd1234", False)
+    assert route("POST", "/v1/sessions/no-replica-in-it/verify", b"") == (None, False)  # a single process's id
+    assert route("GET", "/v1/health", b"") == (None, False)
+    assert replica_of(None) is None and replica_of("r.s.t") == "r"
+
+
 @pytest.mark.slow
 def test_cli_serves_the_openai_api_on_ray_and_stops_cleanly(tiny_pair, tmp_path):
     """`edgespec serve --ray` with its own local Ray instance: greedy output equals the engine's, SIGTERM ends it."""

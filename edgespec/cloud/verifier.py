@@ -72,6 +72,8 @@ class VerifierConfig:
             raise EdgespecError("--max-sessions must be between 1 and 256")
         if self.max_context < 16:
             raise EdgespecError("--session-ctx must be at least 16 tokens")
+        if len(self.session_id_prefix) > 24:  # session ids are at most 64 characters on the wire
+            raise EdgespecError("session_id_prefix must be at most 24 characters")
 
 
 def key_id(api_key: str) -> str:
