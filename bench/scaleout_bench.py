@@ -1,12 +1,13 @@
 """Scale-out bench: the verifier tier alone, one process vs Ray Serve with 1 and 2 replicas (one thread each).
 
-    python -m edgespec.bench.scaleout_bench [--clients 1,2,4,8] [--rounds 24] [--k 4] [--out bench/out]
+    python -m edgespec.bench.scaleout_bench [--clients 1,2,4,8] [--rounds 24] [--k 4] [--repeats 2] [--out bench/out]
 
 Writes results.json and SCALEOUT_RESULTS.md into --out. The clients are synthetic sessions that
 do not draft (so their CPU does not compete with the replicas on a small machine): each starts a
 session on a shipped prompt and sends `--rounds` verify requests of k tokens taken from the
 target's own greedy continuation (re-aligned after a rejection), one request at a time, as fast
-as the answers come. Per system and number of concurrent sessions: aggregate committed tokens/s
+as the answers come (past the continuation's end of text the drafts are filler: a verification
+costs the same pass whatever it holds). Per system and number of concurrent sessions: aggregate committed tokens/s
 and verifications/s over the window where all sessions run, and p50 / p95 of the verify round trip.
 
 Systems, all on 127.0.0.1 with SmolLM2-135M Q4_1 as the target, greedy:
@@ -117,7 +118,9 @@ def measure(url: str, sessions_data, n_clients: int, rounds: int, k: int) -> dic
         t.join(timeout=600)
     elapsed = max(t_last) - min(t_first)
     lat = sorted(x for s in sessions for x in s.latencies)
+    drafted = n_clients * rounds * k
     return {"clients": n_clients, "tokens_per_s": sum(s.committed for s in sessions) / elapsed,
+            "acceptance": (sum(s.committed for s in sessions) - len([x for s in sessions for x in s.latencies])) / drafted,
             "verifies_per_s": len(lat) / elapsed, "p50_ms": 1000 * lat[len(lat) // 2],
             "p95_ms": 1000 * lat[min(len(lat) - 1, int(0.95 * len(lat)))],
             "replicas_used": len({s.replica for s in sessions if s.replica})}
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--repeats", type=int, default=2, help="runs of every system, in alternating order; medians")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
     from edgespec.hardware import detect_cpu
@@ -170,15 +174,25 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": {"platform": platform.platform(), "cpu": cpu.name, "logical_cores": cpu.logical_cores,
                            "load_avg_at_start": list(os.getloadavg())},
                "settings": {"rounds": args.rounds, "k": args.k, "target": target.name}, "systems": {}}
-    for system in args.systems.split(","):
-        print(f"{system} ...", file=sys.stderr, flush=True)
-        if system == "process":
-            rows = run_process(target, sessions_data, clients, args.rounds, args.k, max(clients))
-        else:
-            rows = run_ray(target, sessions_data, clients, args.rounds, args.k, int(system.split("-")[1]), max(clients))
-        results["systems"][system] = rows
-        for row in rows:
-            print(f"  {row}", file=sys.stderr, flush=True)
+    runs: dict[str, list[list[dict]]] = {}
+    names = args.systems.split(",")
+    for repeat in range(args.repeats):  # forward, then backward: drift of a shared machine's load evens out
+        for system in names if repeat % 2 == 0 else names[::-1]:
+            print(f"{system} (run {repeat + 1}) ...", file=sys.stderr, flush=True)
+            if system == "process":
+                rows = run_process(target, sessions_data, clients, args.rounds, args.k, max(clients))
+            else:
+                rows = run_ray(target, sessions_data, clients, args.rounds, args.k, int(system.split("-")[1]),
+                               max(clients))
+            runs.setdefault(system, []).append(rows)
+            for row in rows:
+                print(f"  {row}", file=sys.stderr, flush=True)
+    for system in names:
+        results["systems"][system] = [{key: (statistics.median(run[i][key] for run in runs[system])
+                                             if key != "clients" else row["clients"]) for key in row}
+                                      for i, row in enumerate(runs[system][0])]
+    results["runs"] = runs
+    results["machine"]["load_avg_at_end"] = list(os.getloadavg())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -191,16 +205,20 @@ def main(argv: list[str] | None = None) -> int:
 def render(results: dict, command: str) -> str:
     m, systems = results["machine"], results["systems"]
     lines = [f"Machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['platform']}; load average at start "
-             f"{', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])} (shared machine: absolute numbers are noisy).",
+             f"{', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])}, at end "
+             f"{', '.join(f'{x:.1f}' for x in m.get('load_avg_at_end', []))} (shared machine: absolute numbers are "
+             f"noisy). Medians of {len(next(iter(results.get('runs', {}).values()), [None]))} runs per cell.",
              f"Command: `{command}`", "",
-             "| system | sessions | tokens/s | verifies/s | p50 ms | p95 ms | replicas used | tokens/s x process |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    base = {r["clients"]: r["tokens_per_s"] for r in systems.get("process", [])}
+             "| system | sessions | tokens/s | verifies/s | p50 ms | p95 ms | acceptance | replicas used | "
+             "verifies/s x process |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = {r["clients"]: r["verifies_per_s"] for r in systems.get("process", [])}
     for name, rows in systems.items():
         for r in rows:
-            ratio = f"{r['tokens_per_s'] / base[r['clients']]:.2f}" if r["clients"] in base else "-"
+            ratio = f"{r['verifies_per_s'] / base[r['clients']]:.2f}" if r["clients"] in base else "-"
             lines.append(f"| {name} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['verifies_per_s']:.1f} | "
-                         f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['replicas_used']} | {ratio} |")
+                         f"{r['p50_ms']:.1f} | {r['p95_ms']:.1f} | {r['acceptance']:.2f} | {r['replicas_used']:g} | "
+                         f"{ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -108,8 +108,8 @@ def check_reachable(address: str, timeout_s: float = 3.0) -> None:
             pass
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise EdgespecError(f"cannot reach the Ray cluster at {address} ({reason}); start it with "
-                            "`ray start --head` there, fix --ray-address, or drop it to run a local Ray instance") from None
+        raise EdgespecError(f"cannot reach the Ray cluster at {address} ({reason}); start it with `ray start "
+                            "--head` there, fix --ray-address, or drop it to run a local Ray instance") from None
 
 
 def connect(options: RayOptions) -> bool:
@@ -131,9 +131,10 @@ def connect(options: RayOptions) -> bool:
         try:
             ray.init(address=options.address, **quiet)
         except Exception as exc:  # ConnectionError, RuntimeError, version mismatches...
-            raise EdgespecError(f"cannot join the Ray cluster at {options.address}: {str(exc).splitlines()[0]}") from None
+            raise EdgespecError(f"cannot join the Ray cluster at {options.address}: {_first_line(exc)}") from None
         return False
-    # Loopback only: a local instance is for this machine (a cluster is `ray start` plus --ray-address).
+    # A local instance is for this machine: its node address is loopback (Ray's own services still
+    # listen on every interface, guarded by its token authentication: docs/scale-out.md).
     ray.init(num_cpus=max(1, int(round(options.max_replicas * options.cpus_per_replica))),
              object_store_memory=options.object_store_mb << 20, include_dashboard=False,
              _node_ip_address="127.0.0.1", **quiet)
@@ -398,7 +399,7 @@ def deploy(app_name: str, application, options: RayOptions, *, host: str, port: 
             ray.shutdown()
         if isinstance(exc, (EdgespecError, KeyboardInterrupt)):
             raise
-        raise EdgespecError(f"Ray Serve could not deploy {app_name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise EdgespecError(f"Ray Serve could not deploy {app_name}: {_first_line(exc)}") from None
     shown = f"[{host}]" if ":" in host else host
     return RayDeployment(app_name, f"{'https' if ssl_certfile else 'http'}://{shown}:{port}", started)
 
@@ -440,16 +441,25 @@ def serve_until_stopped(deployment: RayDeployment, banner: str) -> None:
         deployment.shutdown()
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _where(deployment: RayDeployment, options: RayOptions) -> str:
+    scale = (f"autoscaling {options.autoscale[0]}..{options.autoscale[1]} replicas" if options.autoscale
+             else f"{options.replicas} replica{'s' * (options.replicas != 1)}")
+    cluster = "a local Ray instance" if deployment.started_ray else f"the Ray cluster at {options.address}"
+    return f"{scale} on {cluster} (GCS {gcs_address()})"
+
+
 def serve_verifier(target: str, config, options: RayOptions, *, host: str, port: int,
                    ssl_certfile: str | None = None, ssl_keyfile: str | None = None, **load_options) -> None:
     """`edgespec serve --verifier --ray`."""
     deployment = deploy(VERIFIER_APP, verifier_app(target, config, load_options, options), options, host=host,
                         port=port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
-    scale = (f"autoscaling {options.autoscale[0]}..{options.autoscale[1]} replicas" if options.autoscale
-             else f"{options.replicas} replica{'s' * (options.replicas != 1)}")
-    where = "a local Ray instance" if deployment.started_ray else f"the Ray cluster at {options.address}"
-    serve_until_stopped(deployment, f"edgespec serve --verifier --ray: {target} on {deployment.url}, {scale} on {where} "
-                                    f"(GCS {gcs_address()}), each {config.max_sessions} sessions x "
+    serve_until_stopped(deployment, f"edgespec serve --verifier --ray: {target} on {deployment.url}, "
+                                    f"{_where(deployment, options)}, each {config.max_sessions} sessions x "
                                     f"{config.max_context} tokens")
 
 
@@ -458,8 +468,5 @@ def serve_openai(load_engine: Callable[[], Any], config, options: RayOptions, *,
     """`edgespec serve --ray` (the OpenAI API)."""
     deployment = deploy(OPENAI_APP, openai_app(load_engine, config, options), options, host=host, port=port,
                         ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
-    scale = (f"autoscaling {options.autoscale[0]}..{options.autoscale[1]} replicas" if options.autoscale
-             else f"{options.replicas} replica{'s' * (options.replicas != 1)}")
-    where = "a local Ray instance" if deployment.started_ray else f"the Ray cluster at {options.address}"
-    serve_until_stopped(deployment, f"edgespec serve --ray: {deployment.url}/v1 serving {config.model_id!r}, {scale} "
-                                    f"on {where} (GCS {gcs_address()})")
+    serve_until_stopped(deployment, f"edgespec serve --ray: {deployment.url}/v1 serving {config.model_id!r}, "
+                                    f"{_where(deployment, options)}")

@@ -9,7 +9,6 @@ stops it cleanly; an unreachable --ray-address is one line and exit status 2.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -304,7 +304,8 @@ class VerifierCore:
             self.counters["evicted"] += 1
         seq = self.free_seqs.pop()
         self.runtime.seq_clear(seq)
-        session = Session(self.config.session_id_prefix + secrets.token_urlsafe(24), owner, seq, [], Sampler(req.sampling, req.seed), req.seed)
+        session = Session(self.config.session_id_prefix + secrets.token_urlsafe(24), owner, seq, [],
+                          Sampler(req.sampling, req.seed), req.seed)
         self.sessions[session.id] = session
         self.counters["sessions_started"] += 1
         return session
