@@ -159,22 +159,29 @@ class SessionAffinityRouter(RequestRouter):
 
     The route is the `route` argument of `VerifierReplica.forward` (the replica id taken from the
     session id). Least loaded: fewest sessions, as each replica reports them every second plus
-    those this router has sent it since that report (a burst of starts arrives faster than
+    the starts this router has sent it since that report (a burst of starts arrives faster than
     reports), then the fewest requests in flight.
     """
 
     def initialize_state(self, **kwargs) -> None:
         self._placed: dict[str, tuple[Any, int]] = {}  # replica id -> (the report counted from, starts sent since)
+        self._chosen: dict[Any, str] = {}  # start request id -> replica counted for it, until Ray routes it
 
-    def _load(self, replica: RunningReplica) -> tuple[int, int]:
-        stats = replica.routing_stats or {}
-        report = stats.get("reported_at")
+    def _placed_since_report(self, replica: RunningReplica) -> int:
+        report = (replica.routing_stats or {}).get("reported_at")
         seen, placed = self._placed.get(replica.replica_id.unique_id, (report, 0))
         if seen != report:  # a newer report counts them already
             placed = 0
         self._placed[replica.replica_id.unique_id] = (report, placed)
-        in_flight = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return int(stats.get("sessions", 0)) + placed, in_flight
+        return placed
+
+    def _count(self, replica_id: str, n: int) -> None:
+        report, placed = self._placed.get(replica_id, (None, 0))
+        self._placed[replica_id] = (report, max(0, placed + n))
+
+    def _load(self, replica: RunningReplica) -> tuple[int, int]:
+        sessions = int((replica.routing_stats or {}).get("sessions", 0)) + self._placed_since_report(replica)
+        return sessions, self.replica_queue_len_cache.get(replica.replica_id) or 0
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -186,11 +193,30 @@ class SessionAffinityRouter(RequestRouter):
                 return [holder]
         if not candidate_replicas:
             return []
-        ranked = sorted(candidate_replicas, key=self._load)
-        if kwargs.get("opens_session"):
-            report, placed = self._placed[ranked[0].replica_id.unique_id]
-            self._placed[ranked[0].replica_id.unique_id] = (report, placed + 1)
+        if kwargs.get("opens_session"):  # counted now, so that the next start of a burst sees it
+            request_id = pending_request.metadata.internal_request_id or id(pending_request)
+            if request_id in self._chosen:  # chosen again after a backoff: forget the first count
+                self._count(self._chosen.pop(request_id), -1)
+            ranked = sorted(candidate_replicas, key=self._load)
+            self._count(ranked[0].replica_id.unique_id, +1)
+            if len(self._chosen) > 10_000:  # requests that were never routed (cancelled)
+                self._chosen.clear()
+            self._chosen[request_id] = ranked[0].replica_id.unique_id
+        else:
+            ranked = sorted(candidate_replicas, key=self._load)
         return [ranked[:1], ranked[1:]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """A start may land elsewhere than the first choice (a replica whose queue-length probe times out
+        on a loaded machine is passed over): move its count there. Ray calls this where it enforces
+        max_ongoing_requests, its default outside Ray Client."""
+        if not pending_request.kwargs.get("opens_session"):
+            return
+        chosen = self._chosen.pop(pending_request.metadata.internal_request_id or id(pending_request), None)
+        if chosen != replica_id.unique_id:
+            if chosen is not None:
+                self._count(chosen, -1)
+            self._count(replica_id.unique_id, +1)
 
 
 # --- the verifier's deployments ----------------------------------------------------------------------

@@ -70,6 +70,20 @@ def test_the_ingress_reads_the_replica_from_the_session_id():
     assert replica_of(None) is None and replica_of("r.s.t") == "r"
 
 
+def test_replicas_and_autoscaling_become_ray_serve_settings():
+    from edgespec.errors import EdgespecError
+    from edgespec.scaleout import RayOptions, parse_autoscale
+
+    assert RayOptions(replicas=3).scaling(8) == {"num_replicas": 3}
+    scaled = RayOptions(autoscale=parse_autoscale("0,4"))
+    assert scaled.max_replicas == 4  # a local instance gets CPUs for the most replicas
+    assert scaled.scaling(8) == {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 1, "max_replicas": 4,
+                                                        "target_ongoing_requests": 8}}
+    for bad in (dict(replicas=0), dict(autoscale=(2, 1)), dict(autoscale=(0, 0))):
+        with pytest.raises(EdgespecError):
+            RayOptions(**bad)
+
+
 @pytest.mark.slow
 def test_cli_serves_the_openai_api_on_ray_and_stops_cleanly(tiny_pair, tmp_path):
     """`edgespec serve --ray` with its own local Ray instance: greedy output equals the engine's, SIGTERM ends it."""
@@ -159,17 +173,17 @@ def test_two_replicas_serve_eight_sessions_and_a_killed_replica_loses_none(ray_v
                                             deadline_s=120.0)) for _ in range(n_clients)]
     results: list = [None] * n_clients
     errors: list = []
+    barrier = threading.Barrier(n_clients)
+
+    def run(j):
+        try:
+            barrier.wait()
+            results[j] = clients[j].generate_tokens(ids[j], cfg)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append((j, exc))
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(n_clients)]
     try:
-        barrier = threading.Barrier(n_clients)
-
-        def run(j):
-            try:
-                barrier.wait()
-                results[j] = clients[j].generate_tokens(ids[j], cfg)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append((j, exc))
-
-        threads = [threading.Thread(target=run, args=(j,)) for j in range(n_clients)]
         for t in threads:
             t.start()
         # mid-generation: every session started and verified at least twice, none finished
@@ -215,5 +229,9 @@ def test_two_replicas_serve_eight_sessions_and_a_killed_replica_loses_none(ray_v
         # Over 40 tokens of 8 prompts, batched verification flips some of them (4/8 identical seen here).
         assert identical >= n_clients // 4
     finally:
-        for c in clients:
-            c.close()
+        for t in threads:  # a failed assertion must not free a draft model that a thread still decodes with
+            if t.is_alive():
+                t.join(timeout=300)
+        for c, t in zip(clients, threads):
+            if not t.is_alive():
+                c.close()
