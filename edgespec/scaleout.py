@@ -20,8 +20,9 @@ own prefix cache), so its replicas are the HTTP ingress themselves, behind Ray S
 router (power of two choices on ongoing requests).
 
 Memory: every replica loads its own model (weights mmap'ed, shared by replicas on one node through
-the page cache) and its own KV pool (--max-sessions x --session-ctx cells); the ingress, the proxy
-and the controller are Ray worker processes of about 100 to 200 MB resident each.
+the page cache) and its own KV pool (--max-sessions x --session-ctx cells) in a Ray worker; Ray's
+own processes (ingress, proxy, controller, raylet, GCS, agents) took about 600 MB of unique memory
+on the build machine, a SmolLM2 replica 201 MB (docs/scale-out.md).
 """
 
 from __future__ import annotations
