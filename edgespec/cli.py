@@ -5,6 +5,7 @@ Errors a user can cause are one line on stderr and exit status 2; `--debug` show
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from contextlib import contextmanager
@@ -517,6 +518,12 @@ def serve(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
     history_limit: int = HISTORY_LIMIT,
     history_file: str = HISTORY_FILE,
+    on_ray: bool = typer.Option(False, "--ray", help="deploy on Ray Serve, one engine per replica (docs/scale-out.md; "
+                                "pip install 'edgespec[ray]')"),
+    replicas: int = typer.Option(None, "--replicas", help="--ray: replicas to run [default: 1]"),
+    autoscale: str = typer.Option(None, "--autoscale", help="--ray: MIN,MAX replicas, scaled by Ray Serve on load"),
+    ray_address: str = typer.Option(None, "--ray-address", help="--ray: an existing Ray cluster (HOST:PORT of its head) "
+                                    "[default: start a local Ray instance]"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
     or with --verifier the target of cloud-edge speculation."""
@@ -525,7 +532,11 @@ def serve(
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
     port = port if port is not None else (8765 if as_verifier else 8000)
-    check_bind(host, port, api_key)  # before minutes of model loading
+    ray_options = _ray_options(on_ray, replicas, autoscale, ray_address, threads, verbose)
+    if ray_options is not None:
+        threads = threads or 1  # replicas share the node's cores: one thread each unless told
+    if ray_options is None or ray_options.address is None or not api_key:
+        check_bind(host, port, api_key)  # before minutes of model loading (the port: where it is local)
     if as_verifier:
         if runtime != "llamacpp":
             raise EdgespecError("serve --verifier runs llama.cpp (one KV sequence per session); drop --runtime")
@@ -534,29 +545,61 @@ def serve(
                                 "verifier's memory is --max-sessions x --session-ctx)")
         _serve_verifier(target, api_key, host, port, ssl_certfile, ssl_keyfile, max_sessions=max_sessions,
                         session_ctx=session_ctx, idle_timeout=idle_timeout, rate=rate, batch=not no_batch,
-                        threads=threads, gpu_layers=gpu_layers, verbose=verbose)
+                        threads=threads, gpu_layers=gpu_layers, verbose=verbose, ray_options=ray_options)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
     history = _history(history_limit)
-    engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
-                         cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes,
-                         runtime=runtime)
-    with engine, _kept_history(engine, history, history_file):
-        config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
-                              api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
-                              max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
-                              prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
+    config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
+                          api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
+                          max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
+                          prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
+    load = functools.partial(load_engine, target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                             verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max, sampling=True,
+                             reserve_bytes=prefix_bytes, runtime=runtime)
+    if ray_options is not None:  # each replica calls `load` itself, and keeps its own suffix history
+        from edgespec import scaleout
+
+        if history_file:
+            raise EdgespecError("--history-file keeps one process's suffix history; drop it with --ray")
+        scaleout.serve_openai(load, config, ray_options, host=host, port=port, ssl_certfile=ssl_certfile,
+                              ssl_keyfile=ssl_keyfile)
+        return
+    with load() as engine, _kept_history(engine, history, history_file):
         run_server(engine, config, host=host, port=port, verbose=verbose, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile)
 
 
+def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, address: str | None,
+                 threads: int | None, verbose: bool):
+    """The --ray flags as scaleout.RayOptions (None without --ray); the module imports ray."""
+    if not on_ray:
+        given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address)) if v]
+        if given:
+            raise EdgespecError(f"{', '.join(given)} scale out on Ray Serve: add --ray")
+        return None
+    if replicas is not None and autoscale is not None:
+        raise EdgespecError("give --replicas N or --autoscale MIN,MAX, not both")
+    from edgespec import scaleout
+
+    return scaleout.RayOptions(address=address, replicas=1 if replicas is None else replicas,
+                               autoscale=scaleout.parse_autoscale(autoscale) if autoscale else None,
+                               cpus_per_replica=float(threads or 1), verbose=verbose)
+
+
 def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, max_sessions, session_ctx,
-                    idle_timeout, rate, batch, threads, gpu_layers, verbose) -> None:
+                    idle_timeout, rate, batch, threads, gpu_layers, verbose, ray_options=None) -> None:
     from edgespec.cloud.verifier import VerifierConfig, serve as serve_verifier
 
     config = VerifierConfig(api_keys=tuple(api_keys), max_sessions=max_sessions, max_context=session_ctx,
                             idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch)
+    if ray_options is not None:
+        from edgespec import scaleout
+
+        scaleout.serve_verifier(target or "smollm2-135m", config, ray_options, host=host, port=port,
+                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, n_threads=threads,
+                                n_gpu_layers=gpu_layers, verbose=verbose)
+        return
     serve_verifier(target or "smollm2-135m", config, host=host, port=port, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile, n_threads=threads, n_gpu_layers=gpu_layers, verbose=verbose)
 
