@@ -16,7 +16,7 @@
 import { ContextOverflowError, EdgespecError } from "./errors.js";
 import { type Draft, type Drafter, DraftModelDrafter, EMPTY_DRAFT, PromptLookupDrafter, syncTo } from "./drafters.js";
 import type { OnnxModel } from "./model.js";
-import { DEFAULT_SAMPLING, Sampler, type SamplingParams } from "./sampling.js";
+import { checkSampling, DEFAULT_SAMPLING, Sampler, type SamplingParams } from "./sampling.js";
 import { GenerationStats } from "./stats.js";
 import { acceptGreedy, acceptSampling, type Verifier } from "./verify.js";
 import { checkVocabCompatible, type ChatMessage, type Vocab } from "./vocab.js";
@@ -68,6 +68,7 @@ function resolveConfig(partial: Partial<GenerationConfig>): GenerationConfig {
   if (c.seed !== undefined && !(Number.isSafeInteger(c.seed) && c.seed >= 0)) {
     throw new EdgespecError(`seed must be a non-negative integer, got ${c.seed}`);
   }
+  checkSampling(samplingOf(c));
   return c;
 }
 

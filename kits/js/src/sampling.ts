@@ -74,9 +74,10 @@ export function penalize(row: Float32Array, recent: Int32Array, p: SamplingParam
   if (p.repeatPenalty === 1 || p.repeatLastN === 0 || recent.length === 0) return row;
   const out = row.slice();
   const seen = new Set(recent.subarray(Math.max(0, recent.length - p.repeatLastN)));
+  const penalty = Math.fround(p.repeatPenalty); // float32 arithmetic, as numpy does on float32 logits
   for (const t of seen) {
     const v = row[t];
-    out[t] = v > 0 ? v / p.repeatPenalty : v * p.repeatPenalty;
+    out[t] = v > 0 ? v / penalty : v * penalty;
   }
   return out;
 }

@@ -1,0 +1,223 @@
+"""The TypeScript kit (kits/js) against the Python engine, on the same bundles in the same run.
+
+Node (onnxruntime-node, CPU): tokenizer ids, every token's bytes, chat prompts, the sampling chain, and
+greedy tokens for plain decoding, prompt lookup and the draft model must equal the Python ONNX runtime's
+exactly, on a tiny exported bundle and on SmolLM2-135M exported by `edgespec export`; sampled output
+passes the chi-square check of the Python tests (and the same check rejects a verifier that trusts the
+draft); bad bundles reject with one clear error. The web entry point runs in headless Chromium
+(Debian's package, WebAssembly backend) on pages served from loopback, and must give the same greedy
+tokens, or differ first at a near-tie (WebAssembly kernels round differently from the native ones).
+
+Time on the 2-core build machine: see the README's test section (the SmolLM2 part is `slow`).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from edgespec.engine import GenerationConfig
+from js_kit import (KIT, build_kit, exact_joint, greedy_cases, need_node, python_engine, run_node_tests,
+                    sampling_chain_cases, token_bytes, vocab_facts)
+from lossless import NEAR_TIE_GAP, compare_greedy
+from test_lossless_sampling import chi_square_pvalue
+
+TINY_CTX = 256
+SMOL_CTX = 1024
+SAMPLING = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+N_SAMPLES = 1500
+ALPHA = 0.001
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+SMOL_PROMPTS = [
+    "Rewrite this function with a list comprehension:\n\ndef squares(n):\n    out = []\n    for i in range(n):\n"
+    "        out.append(i * i)\n    return out",
+    "What is the capital of France? Answer in one sentence.",
+    "Fix the spelling in this sentence and repeat it: The quick brown fox jumsp over the lazy dgo.",
+]
+
+
+@pytest.fixture(scope="module")
+def kit():
+    build_kit()
+    return KIT
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(hf_tiny, tmp_path_factory) -> Path:
+    from edgespec.exporters.bundle import ExportOptions, export_bundle
+
+    return export_bundle(hf_tiny["llama"], tmp_path_factory.mktemp("jsbundle") / "tiny", hf_tiny["llama_draft"],
+                         ExportOptions(formats=("onnx",), onnx_quants=("fp32",), measure=False, n_threads=1))
+
+
+@pytest.fixture(scope="module")
+def smol_bundle(smollm2_hf, tmp_path_factory) -> Path:
+    """SmolLM2-135M through the CLI: fp32 target, its int4 copy as the draft (--self-draft quant)."""
+    out = tmp_path_factory.mktemp("jssmol") / "smollm2"
+    proc = subprocess.run([sys.executable, "-m", "edgespec.cli", "export", str(smollm2_hf), "--format", "onnx",
+                           "--quant", "onnx:fp32,onnx:int4", "--self-draft", "quant", "--no-measure", "--threads", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def tiny_prompts(engine, count=6, length=12) -> list[list[int]]:
+    from hf_models import corpus_texts
+
+    ids = engine.target.tokenize("\n\n".join(corpus_texts()[:4]), add_special=False, parse_special=True)
+    step = (len(ids) - length) // count
+    return [ids[i * step:i * step + length] for i in range(count)]
+
+
+def tokenizer_cases(name, engine, texts) -> list[dict]:
+    return [{"bundle": name, "text": t, "add_special": a,
+             "ids": engine.target.tokenize(t, add_special=a, parse_special=True)} for t in texts for a in (True, False)]
+
+
+def base_fixture(name, bundle, engine, n_ctx, texts, quant="fp32", draft_quant="fp32") -> dict:
+    return {
+        "bundles": {name: {"path": str(bundle), "n_ctx": n_ctx, "quant": quant, "draft_quant": draft_quant}},
+        "tokenize": tokenizer_cases(name, engine, texts),
+        "token_bytes": {name: token_bytes(engine)},
+        "vocab": {name: vocab_facts(engine)},
+        "chat": [{"bundle": name, "messages": CHAT, "ids": engine.prompt_tokens(CHAT)}],
+        "stream": {"bundle": name, "messages": CHAT},
+        "distributions": sampling_chain_cases(),
+        "sampling": [],
+    }
+
+
+def check_node_run(proc, recorded, fixture):
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, f"node --test failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    for case in fixture["greedy"]:  # every case ran and was compared (a vanished test cannot pass)
+        assert case["name"] in proc.stdout, f"node did not report {case['name']!r}"
+        assert recorded[case["name"]]["tokens"] == case["expected"], case["name"]
+    for mode in {c["mode"] for c in fixture["greedy"]} - {"ar"}:
+        drafted = sum(recorded[c["name"]]["stats"]["drafted"] for c in fixture["greedy"] if c["mode"] == mode)
+        accepted = sum(recorded[c["name"]]["stats"]["accepted"] for c in fixture["greedy"] if c["mode"] == mode)
+        print(f"{mode}: kit accepted {accepted}/{drafted}")
+        assert drafted > 0, f"{mode} never drafted"
+
+
+def test_kit_on_node_matches_python_on_the_tiny_bundle(kit, tiny_bundle, tmp_path):
+    from hf_models import corpus_texts
+
+    with python_engine(tiny_bundle, TINY_CTX) as engine:
+        fixture = base_fixture("tiny", tiny_bundle, engine, TINY_CTX,
+                               corpus_texts()[:3] + ["<|im_start|>user\nhi<|im_end|>\n", "a <|endoftext|> b 123  x"])
+        prompts = tiny_prompts(engine)
+        fixture["greedy"] = greedy_cases("tiny", engine, prompts, [("ar", 0), ("lookup", 3), ("draft", 3)], 24)
+        fixture["stats_keys"] = sorted(engine.generate_tokens(prompts[0], GenerationConfig(max_tokens=2)).stats.to_dict())
+        # Sampling: a prompt with repeats, so prompt lookup drafts too; 2 tokens, top-k 4: 16 outcomes.
+        prompt = prompts[0][:6] * 2
+        joint = exact_joint(engine.target, prompt, SAMPLING)
+        base = {"maxTokens": 2, "temperature": 1.0, "topK": 4, "topP": 1.0, "minP": 0.0, "draftMax": 2}
+        fixture["sampling"] = [
+            {"name": f"sampling {mode}{' wrong' if wrong else ''}", "bundle": "tiny", "prompt": prompt, "n": N_SAMPLES,
+             "wrong": wrong, "config": {**base, "mode": mode}}
+            for mode, wrong in (("ar", False), ("draft", False), ("lookup", False), ("draft", True))]
+    proc, recorded = run_node_tests(fixture, tmp_path, ["test/parity.test.mjs", "test/bad-bundles.test.mjs"])
+    check_node_run(proc, recorded, fixture)
+    assert len(joint) == 16 and abs(sum(joint.values()) - 1) < 1e-9
+    for case in fixture["sampling"]:
+        samples = [tuple(s) for s in recorded[case["name"]]["samples"]]
+        p = chi_square_pvalue(samples, joint)
+        print(f"{case['name']}: chi-square p = {p:.4g} over {len(samples)} samples, "
+              f"drafted {recorded[case['name']]['drafted']}")
+        if case["wrong"]:
+            assert p < ALPHA, "the check must reject a verifier that trusts the draft"
+        else:
+            assert p > ALPHA
+    assert "a draft whose vocabulary differs from the target's" in proc.stdout
+
+
+@pytest.mark.slow
+def test_kit_on_node_matches_python_on_smollm2(kit, smol_bundle, tmp_path):
+    with python_engine(smol_bundle, SMOL_CTX, "fp32", "int4") as engine:
+        assert engine.draft_runtime is not None
+        texts = SMOL_PROMPTS + ["Héllo wörld! 12345 ⚡ 東京 \t\n  spaces", "<|im_start|>user\nhi<|im_end|>\n"]
+        fixture = base_fixture("smollm2", smol_bundle, engine, SMOL_CTX, texts, "fp32", "int4")
+        prompts = [engine.prompt_tokens(p) for p in SMOL_PROMPTS]
+        fixture["chat"] += [{"bundle": "smollm2", "messages": [{"role": "user", "content": p}], "ids": ids}
+                            for p, ids in zip(SMOL_PROMPTS, prompts)]
+        fixture["greedy"] = greedy_cases("smollm2", engine, prompts, [("ar", 0), ("lookup", 4), ("draft", 4)], 32)
+        fixture["stats_keys"] = sorted(engine.generate_tokens(prompts[0], GenerationConfig(max_tokens=2)).stats.to_dict())
+    proc, recorded = run_node_tests(fixture, tmp_path, ["test/parity.test.mjs"])
+    check_node_run(proc, recorded, fixture)
+
+
+# --- the web entry point in headless Chromium --------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
+                      ".js": "text/javascript", ".wasm": "application/wasm"}
+
+    def log_message(self, *args):
+        pass
+
+
+def serve(root: Path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def run_in_chromium(kit: Path, bundles: dict[str, Path], fixture: dict, workdir: Path, timeout=600) -> dict:
+    """Serve the kit, the bundles and the fixture from loopback; run the page in headless Chromium."""
+    assert Path(CHROMIUM).is_file(), ("Chromium is missing at /usr/bin/chromium: `bash scripts/install.sh --test` "
+                                      "installs Debian's chromium package")
+    root = workdir / "www"
+    root.mkdir()
+    (root / "kit").symlink_to(kit)
+    for name, path in bundles.items():
+        (root / name).symlink_to(path)
+    (root / "fixture.json").write_text(json.dumps(fixture))
+    out = workdir / "web-results.json"
+    server = serve(root)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/kit/test/web/parity.html"
+        proc = subprocess.run([need_node(), "test/web/run-chromium.mjs", url, str(out), CHROMIUM], cwd=kit,
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, f"the browser run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def check_web(results: dict, fixture: dict, runtimes: dict) -> None:
+    assert results["backend"] == "wasm"
+    identical = 0
+    for case in fixture["greedy"]:
+        got = results["cases"][case["name"]]
+        assert "error" not in got, f"{case['name']}: {got.get('error')}"
+        cmp = compare_greedy(runtimes[case["bundle"]], case["prompt"], case["expected"], got["tokens"])
+        identical += cmp.identical
+        assert cmp.near_tie, (f"{case['name']}: the browser diverges at token {cmp.first_divergence} with logit gap "
+                              f"{cmp.gap:.3f} > {NEAR_TIE_GAP}")
+    print(f"web (WebAssembly) greedy: identical {identical}/{len(fixture['greedy'])}; tok/s "
+          f"{results.get('tokens_per_s')}")
+    assert identical >= 0.8 * len(fixture["greedy"])
+    for check in results["checks"]:
+        assert check["ok"], check
+
+
+def test_web_entry_point_in_headless_chromium(kit, tiny_bundle, tmp_path):
+    with python_engine(tiny_bundle, TINY_CTX) as engine:
+        prompts = tiny_prompts(engine, count=4)
+        fixture = {"bundles": {"tiny": {"url": "../../../tiny/", "n_ctx": TINY_CTX, "quant": "fp32", "draft_quant": "fp32"}},
+                   "greedy": greedy_cases("tiny", engine, prompts, [("ar", 0), ("lookup", 3), ("draft", 3)], 24),
+                   "chat": [{"bundle": "tiny", "messages": CHAT, "ids": engine.prompt_tokens(CHAT)}]}
+        results = run_in_chromium(kit, {"tiny": tiny_bundle}, fixture, tmp_path)
+        check_web(results, fixture, {"tiny": engine.target})
