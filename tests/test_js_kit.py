@@ -13,20 +13,17 @@ Time on the 2-core build machine: see the README's test section (the SmolLM2 par
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
-import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
+from edgespec.bench.js_bench import run_in_chromium
 from edgespec.engine import GenerationConfig
-from js_kit import (KIT, build_kit, exact_joint, greedy_cases, need_node, python_engine, run_node_tests,
-                    sampling_chain_cases, token_bytes, vocab_facts)
+from js_kit import (KIT, build_kit, exact_joint, greedy_cases, python_engine, run_node_tests, sampling_chain_cases,
+                    token_bytes, vocab_facts)
 from lossless import NEAR_TIE_GAP, compare_greedy
 from test_lossless_sampling import chi_square_pvalue
 
@@ -157,45 +154,6 @@ def test_kit_on_node_matches_python_on_smollm2(kit, smol_bundle, tmp_path):
 
 # --- the web entry point in headless Chromium --------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
-                      ".js": "text/javascript", ".wasm": "application/wasm"}
-
-    def log_message(self, *args):
-        pass
-
-
-def serve(root: Path):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def run_in_chromium(kit: Path, bundles: dict[str, Path], fixture: dict, workdir: Path, timeout=600) -> dict:
-    """Serve the kit, the bundles and the fixture from loopback; run the page in headless Chromium."""
-    assert Path(CHROMIUM).is_file(), ("Chromium is missing at /usr/bin/chromium: `bash scripts/install.sh --test` "
-                                      "installs Debian's chromium package")
-    root = workdir / "www"
-    root.mkdir()
-    (root / "kit").symlink_to(kit)
-    for name, path in bundles.items():
-        (root / name).symlink_to(path)
-    (root / "fixture.json").write_text(json.dumps(fixture))
-    out = workdir / "web-results.json"
-    server = serve(root)
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/kit/test/web/parity.html"
-        proc = subprocess.run([need_node(), "test/web/run-chromium.mjs", url, str(out), CHROMIUM], cwd=kit,
-                              capture_output=True, text=True, timeout=timeout)
-    finally:
-        server.shutdown()
-    assert proc.returncode == 0, f"the browser run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
-
-
 def check_web(results: dict, fixture: dict, runtimes: dict) -> None:
     assert results["backend"] == "wasm"
     identical = 0
@@ -219,5 +177,26 @@ def test_web_entry_point_in_headless_chromium(kit, tiny_bundle, tmp_path):
         fixture = {"bundles": {"tiny": {"url": "../../../tiny/", "n_ctx": TINY_CTX, "quant": "fp32", "draft_quant": "fp32"}},
                    "greedy": greedy_cases("tiny", engine, prompts, [("ar", 0), ("lookup", 3), ("draft", 3)], 24),
                    "chat": [{"bundle": "tiny", "messages": CHAT, "ids": engine.prompt_tokens(CHAT)}]}
-        results = run_in_chromium(kit, {"tiny": tiny_bundle}, fixture, tmp_path)
+        results = run_in_chromium({"tiny": tiny_bundle}, fixture, tmp_path, kit=kit)
         check_web(results, fixture, {"tiny": engine.target})
+
+
+def test_node_cli_example(kit, tiny_bundle, tmp_path):
+    """examples/node-cli.mjs: the Python engine's text for a chat prompt; bad input is one line, status 2."""
+    with python_engine(tiny_bundle, TINY_CTX) as engine:
+        expected = engine.generate("Hello there", GenerationConfig(max_tokens=10, temperature=0, mode="lookup"))
+    cli = ["node", "examples/node-cli.mjs"]
+    proc = subprocess.run([*cli, str(tiny_bundle), "Hello there", "--max-tokens", "10", "--temperature", "0",
+                           "--mode", "lookup", "--threads", "1", "--json"], cwd=kit, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["tokens"] == expected.tokens and out["text"] == expected.text
+    assert out["stats"]["mode"] == "lookup" and set(out["stats"]) == set(expected.stats.to_dict())
+    streamed = subprocess.run([*cli, str(tiny_bundle), "Hello there", "--max-tokens", "10", "--temperature", "0"],
+                              cwd=kit, capture_output=True, text=True, timeout=120)
+    assert streamed.returncode == 0 and streamed.stdout == expected.text + "\n"
+    assert streamed.stderr.startswith(f"{len(expected.tokens)} tokens in ")
+    bad = subprocess.run([*cli, str(tmp_path / "nope"), "Hello"], cwd=kit, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1 and "not an edgespec bundle" in bad.stderr
