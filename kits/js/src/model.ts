@@ -42,6 +42,10 @@ export class OnnxModel {
   private past: KVData[]; // per kv tensor: (1, h, pastLen, d) data
   private pastLen = 0; // positions the held tensors cover (>= nPast after a lazy truncate)
   private held: Int32Array; // ids whose KV is held
+  // attention_mask (all ones) and position_ids (0..nCtx-1) for every call are views of these, so a call
+  // allocates nothing that grows with the context besides the graph's own outputs.
+  private readonly ones: BigInt64Array | Int32Array;
+  private readonly positions: BigInt64Array | Int32Array;
   private nHeld = 0;
   private closed = false;
   nRuns = 0;
@@ -84,6 +88,13 @@ export class OnnxModel {
     }
     this.past = this.kvIn.map(() => this.emptyKV(0));
     this.held = new Int32Array(options.nCtx);
+    if (this.intType === "int32") {
+      this.ones = new Int32Array(options.nCtx).fill(1);
+      this.positions = Int32Array.from({ length: options.nCtx }, (_, i) => i);
+    } else {
+      this.ones = new BigInt64Array(options.nCtx).fill(1n);
+      this.positions = BigInt64Array.from({ length: options.nCtx }, (_, i) => BigInt(i));
+    }
   }
 
   /** Load a model from bytes or (Node, React Native) a file path. */
@@ -172,11 +183,8 @@ export class OnnxModel {
     return out;
   }
 
-  private intTensor(values: number[] | Int32Array, dims: number[]): Tensor {
-    if (this.intType === "int32") return new this.ort.Tensor("int32", Int32Array.from(values), dims);
-    const data = new BigInt64Array(values.length);
-    for (let i = 0; i < values.length; i++) data[i] = BigInt(values[i]);
-    return new this.ort.Tensor("int64", data, dims);
+  private intTensor(data: BigInt64Array | Int32Array, dims: number[]): Tensor {
+    return data instanceof Int32Array ? new this.ort.Tensor("int32", data, dims) : new this.ort.Tensor("int64", data, dims);
   }
 
   private async run(tokens: ArrayLike<number>, start: number, t: number): Promise<Float32Array> {
@@ -187,15 +195,12 @@ export class OnnxModel {
     const p = this.nHeld, h = this.nHeadKv, d = this.headDim;
     const ids = new Int32Array(t);
     for (let i = 0; i < t; i++) ids[i] = tokens[start + i];
+    const inputIds = this.intType === "int32" ? ids : BigInt64Array.from(ids, (x) => BigInt(x));
     const feeds: Record<string, Tensor> = {
-      input_ids: this.intTensor(ids, [1, t]),
-      attention_mask: this.intTensor(new Array(p + t).fill(1), [1, p + t]),
+      input_ids: this.intTensor(inputIds, [1, t]),
+      attention_mask: this.intTensor(this.ones.subarray(0, p + t), [1, p + t]),
     };
-    if (this.hasPositions) {
-      const pos = new Int32Array(t);
-      for (let i = 0; i < t; i++) pos[i] = p + i;
-      feeds.position_ids = this.intTensor(pos, [1, t]);
-    }
+    if (this.hasPositions) feeds.position_ids = this.intTensor(this.positions.subarray(p, p + t), [1, t]);
     this.kvIn.forEach((name, i) => {
       feeds[name] = new this.ort.Tensor(this.kvType, this.past[i], [1, h, p, d]);
     });
