@@ -104,8 +104,9 @@ export class Vocab {
       texts[a.id] = a.content;
       (a.special ? special : added)[a.id] = 1;
     }
-    const size = Math.max(...Object.values(data.model.vocab as Record<string, number>),
-      ...(data.added_tokens ?? []).map((a: any) => a.id)) + 1;
+    let size = 0; // a loop, not Math.max(...): a 152k-token vocabulary is too many arguments
+    for (const id of Object.values(data.model.vocab as Record<string, number>)) size = Math.max(size, id + 1);
+    for (const a of data.added_tokens ?? []) size = Math.max(size, a.id + 1);
     if (size > nVocab) {
       throw new EdgespecError(`${where}: the tokenizer has ${size} tokens but the model's logits only ${nVocab}`);
     }
@@ -134,8 +135,8 @@ export class Vocab {
     }
     this.bytes = new Array(nVocab);
     const cfg = files.tokenizerConfig, gen = files.generationConfig;
-    const bos = this.specialId(cfg.bos_token, files.config.bos_token_id, gen.bos_token_id, nVocab);
-    const eos = this.specialId(cfg.eos_token, files.config.eos_token_id, gen.eos_token_id, nVocab);
+    const bos = this.specialId(cfg.bos_token, [files.config.bos_token_id, gen.bos_token_id], nVocab);
+    const eos = this.specialId(cfg.eos_token, [files.config.eos_token_id, gen.eos_token_id], nVocab);
     const addBos = this.addFlag(data, cfg, "bos", bos);
     this.addEos = this.addFlag(data, cfg, "eos", eos);
     // generation_config may list several end tokens (Llama 3 instruct); Hugging Face stops at each.
@@ -147,14 +148,14 @@ export class Vocab {
     this.template = typeof template === "string" ? template : null;
   }
 
-  private specialId(token: unknown, ...rest: unknown[]): number | null {
-    const nVocab = rest.pop() as number;
+  /** tokenizer_config's token (a string or {"content": ...}) by id, else the first id the config files give. */
+  private specialId(token: unknown, fallbackIds: unknown[], nVocab: number): number | null {
     const content = token && typeof token === "object" ? (token as any).content : token;
     if (typeof content === "string") {
       const found = this.tokenizer.token_to_id(content);
       if (found !== undefined) return found;
     }
-    for (let v of rest) {
+    for (let v of fallbackIds) {
       v = Array.isArray(v) ? v[0] : v;
       if (Number.isInteger(v) && (v as number) >= 0 && (v as number) < nVocab) return v as number;
     }
