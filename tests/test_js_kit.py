@@ -105,12 +105,33 @@ def check_node_run(proc, recorded, fixture):
         assert drafted > 0, f"{mode} never drafted"
 
 
-def test_kit_on_node_matches_python_on_the_tiny_bundle(kit, tiny_bundle, tmp_path):
+def tokenizer_dirs(hf_tiny, texts) -> list[dict]:
+    """The other tokenizer families of the tiny checkpoints (Llama 3 regex and BOS, Qwen2 regex with NFC
+    and a padded vocabulary, SmolLM's digit splitting), as the Python vocabulary answers for them."""
+    from edgespec.runtimes.hf_vocab import HFVocab, read_json
+
+    out = []
+    for name in ("llama3", "qwen2", "smollm"):
+        directory = hf_tiny[name]
+        n_vocab = int(read_json(directory / "config.json")["vocab_size"])
+        v = HFVocab(directory, n_vocab)
+        out.append({"name": name, "dir": str(directory), "n_vocab": n_vocab,
+                    "vocab": {"n_vocab": n_vocab, "bos": v.info.bos, "eos": v.info.eos, "add_bos": v.info.add_bos,
+                              "eog": sorted(v.info.eog)},
+                    "cases": [{"text": t, "add_special": a, "ids": v.tokenize(t, add_special=a, parse_special=True)}
+                              for t in texts for a in (True, False)],
+                    "token_bytes": [v.token_bytes(i).hex() for i in range(n_vocab)]})
+    return out
+
+
+def test_kit_on_node_matches_python_on_the_tiny_bundle(kit, tiny_bundle, hf_tiny, tmp_path):
     from hf_models import corpus_texts
 
     with python_engine(tiny_bundle, TINY_CTX) as engine:
         fixture = base_fixture("tiny", tiny_bundle, engine, TINY_CTX,
                                corpus_texts()[:3] + ["<|im_start|>user\nhi<|im_end|>\n", "a <|endoftext|> b 123  x"])
+        fixture["tokenizer_dirs"] = tokenizer_dirs(hf_tiny, corpus_texts()[:4] + [
+            "Héllo wörld! 12345 6789 ⚡ 東京 \t\n  spaces   x", "<|im_start|>user\nhi<|im_end|>\n", "I'm we'LL 1,000.5"])
         prompts = tiny_prompts(engine)
         fixture["greedy"] = greedy_cases("tiny", engine, prompts, [("ar", 0), ("lookup", 3), ("draft", 3)], 24)
         fixture["stats_keys"] = sorted(engine.generate_tokens(prompts[0], GenerationConfig(max_tokens=2)).stats.to_dict())

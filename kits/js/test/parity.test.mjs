@@ -4,7 +4,9 @@
 // check pytest runs.
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
-import { openBundle, Sampler, acceptSampling, sample } from "../dist/node.js";
+import { existsSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import { openBundle, Sampler, acceptSampling, sample, Vocab } from "../dist/node.js";
 import { fixture, record } from "./fixture.mjs";
 
 const engines = {};
@@ -35,6 +37,21 @@ describe("tokenizer", () => {
       const info = engines[name].vocab.info;
       assert.deepEqual({ n_vocab: info.nVocab, bos: info.bos, eos: info.eos, add_bos: info.addBos,
         eog: [...info.eog].sort((a, b) => a - b) }, v);
+    }
+  });
+  test("other tokenizer families (pre-tokenizer regexes, NFC, BOS) give the Python ids, bytes and facts", () => {
+    for (const t of fixture.tokenizer_dirs ?? []) {
+      const read = (name, fallback) => (existsSync(join(t.dir, name)) ? readFileSync(join(t.dir, name), "utf8") : fallback);
+      const vocab = new Vocab({
+        tokenizer: JSON.parse(read("tokenizer.json")), tokenizerConfig: JSON.parse(read("tokenizer_config.json", "{}")),
+        config: JSON.parse(read("config.json", "{}")), generationConfig: JSON.parse(read("generation_config.json", "{}")),
+        chatTemplate: read("chat_template.jinja", null),
+      }, t.n_vocab, t.dir);
+      const info = vocab.info;
+      assert.deepEqual({ n_vocab: info.nVocab, bos: info.bos, eos: info.eos, add_bos: info.addBos,
+        eog: [...info.eog].sort((a, b) => a - b) }, t.vocab, t.name);
+      for (const c of t.cases) assert.deepEqual(vocab.tokenize(c.text, c.add_special, true), c.ids, `${t.name}: ${c.text}`);
+      t.token_bytes.forEach((hex, id) => assert.equal(Buffer.from(vocab.tokenBytes(id)).toString("hex"), hex, `${t.name} ${id}`));
     }
   });
   test("chat prompts render and tokenize as in Python", () => {
