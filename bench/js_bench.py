@@ -14,7 +14,8 @@ engine, so every system gets the same ids):
 * web: the kit's web entry point in headless Chromium (Debian's package), onnxruntime-web WebAssembly,
   one thread, pages served from loopback (kits/js/test/web/parity.html).
 
-Each system first runs one untimed warm-up generation. tok/s is the engines' own decode tok/s
+Python and Node alternate by repeat (python, node, python, node, ...), so a change in the machine's load
+hits both; the browser runs all repeats after them. Each block starts with one untimed warm-up generation. tok/s is the engines' own decode tok/s
 (generated / decode time, prefill excluded: the same definition in Python and JS); the tables give
 medians over prompts x repeats, and ratios against the Python engine in the same mode. The greedy
 tokens of every system are compared too (they must agree; the tests prove it).
@@ -114,13 +115,13 @@ def bench_prompts(engine, n: int) -> list[tuple[str, list[int]]]:
     return [(p["id"], engine.prompt_tokens(p["messages"])) for p in items[:n]]
 
 
-def runs_for(prompts, max_tokens: int, repeats: int) -> list[dict]:
-    runs = [{"name": "warmup", "prompt": prompts[0][1], "mode": "ar", "draft_max": 0, "max_tokens": 8}]
-    for r in range(repeats):
-        for mode, k in MODES:
-            for pid, ids in prompts:
-                runs.append({"name": f"{mode} {pid} r{r}", "mode": mode, "draft_max": k, "prompt": ids,
-                             "max_tokens": max_tokens})
+def runs_for(prompts, max_tokens: int, repeat: int) -> list[dict]:
+    """One repeat's generations, after an untimed warm-up."""
+    runs = [{"name": f"warmup r{repeat}", "prompt": prompts[0][1], "mode": "ar", "draft_max": 0, "max_tokens": 8}]
+    for mode, k in MODES:
+        for pid, ids in prompts:
+            runs.append({"name": f"{mode} {pid} r{repeat}", "mode": mode, "draft_max": k, "prompt": ids,
+                         "max_tokens": max_tokens})
     return runs
 
 
@@ -159,8 +160,9 @@ def summarize(systems: dict[str, dict], runs) -> dict:
     table = {}
     for system, results in systems.items():
         for mode, _ in MODES:
-            speeds = [results[r["name"]]["stats"]["tokens_per_s"] for r in runs if r["mode"] == mode and r["name"] != "warmup"]
-            acc = [results[r["name"]]["stats"] for r in runs if r["mode"] == mode and r["name"] != "warmup"]
+            timed = [r for r in runs if r["mode"] == mode and not r["name"].startswith("warmup")]
+            speeds = [results[r["name"]]["stats"]["tokens_per_s"] for r in timed]
+            acc = [results[r["name"]]["stats"] for r in timed]
             drafted, accepted = sum(s["drafted"] for s in acc), sum(s["accepted"] for s in acc)
             table[(system, mode)] = {"median_tok_s": statistics.median(speeds), "n": len(speeds),
                                      "acceptance": accepted / drafted if drafted else None}
@@ -234,14 +236,17 @@ def main(argv=None) -> None:
     manifest = json.loads((bundle / "edgespec.json").read_text())["formats"]["onnx"]
     files = {(role, a["quant"]): bundle / a["file"] for role in ("target", "draft") for a in manifest[role]}
     options = OnnxOptions(n_ctx=args.n_ctx, n_threads=args.threads)
-    with Engine(OnnxRuntime(files[("target", "fp32")], options), OnnxRuntime(files[("draft", "int4")], options)) as engine:
+    systems: dict[str, dict] = {"python": {}, "node": {}}
+    runs: list[dict] = []
+    with Engine(OnnxRuntime(files[("target", "fp32")], options), OnnxRuntime(files[("draft", "int4")], options)) as engine, \
+            tempfile.TemporaryDirectory() as tmp:
         prompts = bench_prompts(engine, args.prompts)
-        runs = runs_for(prompts, args.max_tokens, args.repeats)
-        print(f"python: {len(runs)} generations", file=sys.stderr)
-        systems = {"python": python_runs(engine, runs)}
-    with tempfile.TemporaryDirectory() as tmp:
-        print("node", file=sys.stderr)
-        systems["node"] = node_runs(bundle, runs, args.threads, args.n_ctx, Path(tmp))
+        for r in range(args.repeats):
+            block = runs_for(prompts, args.max_tokens, r)
+            runs += block
+            print(f"repeat {r}: python, then node ({len(block)} generations each)", file=sys.stderr)
+            systems["python"].update(python_runs(engine, block))
+            systems["node"].update(node_runs(bundle, block, args.threads, args.n_ctx, Path(tmp)))
         if not args.no_web:
             print("web (headless Chromium)", file=sys.stderr)
             systems["web"] = web_runs(bundle, runs, args.n_ctx, Path(tmp))

@@ -132,7 +132,7 @@ def test_kit_on_node_matches_python_on_the_tiny_bundle(kit, tiny_bundle, hf_tiny
                                corpus_texts()[:3] + ["<|im_start|>user\nhi<|im_end|>\n", "a <|endoftext|> b 123  x"])
         fixture["tokenizer_dirs"] = tokenizer_dirs(hf_tiny, corpus_texts()[:4] + [
             "Héllo wörld! 12345 6789 ⚡ 東京 \t\n  spaces   x", "<|im_start|>user\nhi<|im_end|>\n", "I'm we'LL 1,000.5"])
-        prompts = tiny_prompts(engine)
+        prompts = tiny_prompts(engine) + [tiny_prompts(engine, count=1, length=150)[0]]  # the last: 3 prefill chunks
         fixture["greedy"] = greedy_cases("tiny", engine, prompts, [("ar", 0), ("lookup", 3), ("draft", 3)], 24)
         fixture["stats_keys"] = sorted(engine.generate_tokens(prompts[0], GenerationConfig(max_tokens=2)).stats.to_dict())
         # Sampling: a prompt with repeats, so prompt lookup drafts too; 2 tokens, top-k 4: 16 outcomes.

@@ -48,8 +48,9 @@ export class OnnxModel {
   private readonly positions: BigInt64Array | Int32Array;
   private nHeld = 0;
   private closed = false;
-  nRuns = 0;
-  nRunTokens = 0;
+  nRuns = 0; // graph runs so far
+  nRunTokens = 0; // tokens they evaluated
+  maxRunTokens = 0; // the most tokens in one run: its logits block was maxRunTokens x nVocab floats
 
   private constructor(private readonly ort: Ort, private readonly session: Session, readonly name: string,
                       readonly options: ModelOptions, nVocabHint: number) {
@@ -217,6 +218,7 @@ export class OnnxModel {
     this.nHeld = p + t;
     this.nRuns += 1;
     this.nRunTokens += t;
+    this.maxRunTokens = Math.max(this.maxRunTokens, t);
     return results.logits.data as Float32Array;
   }
 }

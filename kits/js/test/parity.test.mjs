@@ -95,6 +95,12 @@ test("a repeated prompt reuses the KV of its prefix", async () => {
   assert.equal(engine.target.nRunTokens - before, 4, "only the last prompt token and the new ones were evaluated");
 });
 
+test("a long prompt is evaluated in chunks: no logits block larger than prefillChunk x n_vocab", () => {
+  const long = fixture.greedy.filter((c) => c.prompt.length > 64);
+  assert.ok(long.length > 0, "the fixture has a prompt longer than one chunk");
+  for (const c of long) assert.ok(engines[c.bundle].target.maxRunTokens <= 64, `${engines[c.bundle].target.maxRunTokens}`);
+});
+
 test("streaming yields the text pieces of the result, and stop strings end it", async () => {
   const engine = engines[fixture.stream.bundle];
   const stream = engine.stream(fixture.stream.messages, { maxTokens: 24, temperature: 0, mode: "lookup" });
