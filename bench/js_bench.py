@@ -61,9 +61,9 @@ def serve(root: Path) -> http.server.ThreadingHTTPServer:
 
 
 def run_in_chromium(bundles: dict[str, Path], fixture: dict, workdir: Path, timeout: int = 600,
-                    kit: Path = KIT) -> dict:
-    """Serve the kit, the bundles (as /NAME/) and the fixture from loopback; run the kit's browser page
-    (test/web/parity.html) in headless Chromium; return the results it leaves."""
+                    kit: Path = KIT, page: str = "test/web/parity.html") -> dict:
+    """Serve the kit (as /kit/), the bundles (as /NAME/) and the fixture from loopback; run a page of the
+    kit (the test page, or the example page) in headless Chromium; return what it produced."""
     if not Path(CHROMIUM).is_file():
         raise RuntimeError("Chromium is missing at /usr/bin/chromium: `bash scripts/install.sh --test` installs "
                            "Debian's chromium package")
@@ -75,7 +75,7 @@ def run_in_chromium(bundles: dict[str, Path], fixture: dict, workdir: Path, time
     out = root.parent / f"{root.name}-results.json"
     server = serve(root)
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/kit/test/web/parity.html"
+        url = f"http://127.0.0.1:{server.server_address[1]}/kit/{page}"
         proc = subprocess.run(["node", "test/web/run-chromium.mjs", url, str(out), CHROMIUM, str(timeout - 20)],
                               cwd=kit, capture_output=True, text=True, timeout=timeout)
     finally:

@@ -221,3 +221,16 @@ def test_node_cli_example(kit, tiny_bundle, tmp_path):
     bad = subprocess.run([*cli, str(tmp_path / "nope"), "Hello"], cwd=kit, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1 and "not an edgespec bundle" in bad.stderr
+
+
+def test_web_example_page_streams_into_the_text_area(kit, tiny_bundle, tmp_path):
+    """examples/web: the page loads the bundle, streams a generation into its text area in several pieces,
+    and shows the Python engine's text for its default prompt and settings (lookup, 64 tokens, greedy)."""
+    with python_engine(tiny_bundle, 512) as engine:
+        expected = engine.generate("Write a haiku about caches.", GenerationConfig(max_tokens=64, temperature=0,
+                                                                                    mode="lookup"))
+    results = run_in_chromium({"tiny": tiny_bundle}, {}, tmp_path, kit=kit,
+                              page="examples/web/index.html?bundle=../../../tiny/")
+    assert results["output"] == expected.text
+    assert results["pieces"] > 1, "the text arrived in one piece, not streamed"
+    assert results["stats"].startswith(f"{len(expected.tokens)} tokens in ") and "mode lookup" in results["stats"]

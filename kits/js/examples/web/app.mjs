@@ -20,7 +20,11 @@ $("form").addEventListener("submit", async (event) => {
   try {
     const stream = engine.stream($("prompt").value, { mode: $("mode").value, maxTokens: Number($("max").value),
       temperature: Number($("temperature").value) });
-    for await (const piece of stream) $("output").value += piece; // each piece as soon as it is decided
+    let pieces = 0;
+    for await (const piece of stream) { // each piece as soon as it is decided
+      $("output").value += piece;
+      document.body.dataset.pieces = String(++pieces);
+    }
     $("stats").textContent = stream.result.stats.summary();
     document.body.dataset.done = String(Number(document.body.dataset.done ?? 0) + 1);
   } catch (err) {

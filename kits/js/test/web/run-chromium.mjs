@@ -1,5 +1,7 @@
 // Drives headless Chromium (the system's package; playwright-core never downloads a browser) through one
-// page and writes the window.__results it leaves. Usage: node run-chromium.mjs URL OUT.json [CHROMIUM]
+// page and writes what it produced. Usage: node run-chromium.mjs URL OUT.json [CHROMIUM] [TIMEOUT_S]
+// The test page leaves window.__results; the example page (examples/web) is used as a person would:
+// wait until it has loaded the bundle, press "generate", read the text area once the stream ends.
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -17,8 +19,18 @@ try {
   page.on("console", (m) => console.log(`[page] ${m.text()}`));
   page.on("pageerror", (e) => console.log(`[page error] ${e.message}`));
   await page.goto(url);
-  await page.waitForFunction(() => window.__results !== undefined, null, { timeout: Number(timeoutS) * 1000 });
-  const results = await page.evaluate(() => window.__results);
+  const timeout = Number(timeoutS) * 1000;
+  let results;
+  if (url.includes("/examples/web/")) {
+    await page.waitForSelector("body[data-ready]", { timeout });
+    await page.click("#go");
+    await page.waitForSelector("body[data-done]", { timeout });
+    results = { output: await page.$eval("#output", (e) => e.value), stats: await page.$eval("#stats", (e) => e.textContent),
+      pieces: Number(await page.$eval("body", (e) => e.dataset.pieces ?? 0)) };
+  } else {
+    await page.waitForFunction(() => window.__results !== undefined, null, { timeout });
+    results = await page.evaluate(() => window.__results);
+  }
   if (results.fatal) {
     console.error(results.fatal);
     process.exitCode = 1;
