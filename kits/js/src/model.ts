@@ -6,8 +6,9 @@
  * present.{i}.key/.value = concat(past, new) out.
  *
  * Memory. KV: the present tensors of the last run are kept as the next run's past: 2 x n_layer x
- * n_head_kv x n_past x head_dim x 4 bytes, and twice that during a run (the graph reads the past while
- * writing the present; ORT allocates the output). Logits: the graph returns t x n_vocab floats per run;
+ * n_head_kv x n_past x head_dim x 4 bytes. During a run there are up to three copies: the past, ORT's
+ * present, and the present copied out into a JS array (onnxruntime-node and -web copy every output; the
+ * web backend also copies the inputs into the WebAssembly heap). Logits: the graph returns t x n_vocab floats per run;
  * a long prompt runs `prefillChunk` tokens at a time (default 64, as the Python runtime), so no block
  * of more than prefillChunk x n_vocab floats ever exists, and only the rows asked for are copied out.
  * Rolling back is lazy: `truncate(n)` only moves n_past; the next run slices the first n positions out
@@ -103,7 +104,7 @@ export class OnnxModel {
                     nVocabHint = 0): Promise<OnnxModel> {
     let session: Session;
     try {
-      session = typeof model === "string"
+      session = typeof model === "string" // two overloads of create, one call each
         ? await ort.InferenceSession.create(model, options.sessionOptions ?? {})
         : await ort.InferenceSession.create(model, options.sessionOptions ?? {});
     } catch (err) {
