@@ -53,7 +53,7 @@ fi
 
 # The TypeScript kit's tests (tests/test_js_kit.py) run it on Node and in headless Chromium.
 # onnxruntime-node ships its CPU binaries in the npm package; ONNXRUNTIME_NODE_INSTALL=skip stops its
-# install script fetching the CUDA provider from nuget.org (only package registries are reachable in CI).
+# install script fetching the CUDA provider from an outside download site (only package registries are reachable in CI).
 if [ -n "$with_test" ]; then
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     echo "error: the JS kit's tests need Node.js 20 and npm on PATH (apt-get install nodejs npm)" >&2; exit 2
