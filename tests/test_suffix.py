@@ -48,6 +48,13 @@ def test_the_current_context_is_searched_too():
     assert draft.tokens.tolist() == [5, 6, 0]
 
 
+def test_a_walk_that_runs_into_the_end_of_the_context_stops_there():
+    drafter = drafter_with()
+    context = np.array([7, 1, 2, 9, 1, 2, 9, 4, 4, 1, 2])  # "1 2 9" twice, then 1 or 4 (the latest), ...
+    for branch in (None, lambda *_: False):                 # ... until the copy reaches the context's end
+        assert drafter.propose(context, 8, branch=branch).tokens.tolist() == [9, 4, 4, 1, 2]
+
+
 def test_the_walk_stops_where_the_path_becomes_unlikely():
     outputs = [[1, 2, t] for t in range(10, 30)]  # after "1 2": twenty different tokens, once each
     drafter = drafter_with(*outputs)
