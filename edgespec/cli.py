@@ -409,6 +409,8 @@ def serve(
     max_request_kb: int = typer.Option(1024, help="largest request body in KiB; larger get 413"),
     prefix_cache_mb: float = typer.Option(256.0, help="memory for the KV of earlier prefixes, LRU-evicted (0 = off)"),
     no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="prefill every request from scratch (for measurements)"),
+    parallel: int = typer.Option(1, "--parallel", "-np", help="requests generated at once, batched in one target "
+                                 "pass per step; the slots share --ctx (each gets --ctx / N tokens)"),
     max_sessions: int = typer.Option(16, help="--verifier: sessions held at once (one llama.cpp sequence each; LRU eviction)"),
     session_ctx: int = typer.Option(2048, help="--verifier: tokens per session (the KV pool holds sessions x this)"),
     idle_timeout: float = typer.Option(600.0, help="--verifier: seconds before an idle session is dropped"),
@@ -444,10 +446,15 @@ def serve(
                         threads=threads, gpu_layers=gpu_layers, verbose=verbose)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
-    engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
-                         cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                         gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes,
-                         runtime=runtime)
+    if parallel != 1:
+        engine = _load_parallel(target, draft, parallel, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                                flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                verbose=verbose, budget=budget, gpu_budget=gpu_budget, runtime=runtime)
+    else:
+        engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
+                             gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes,
+                             runtime=runtime)
     with engine:
         config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
                               api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
@@ -455,6 +462,24 @@ def serve(
                               prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
         run_server(engine, config, host=host, port=port, verbose=verbose, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile)
+
+
+def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, flash_attn, cache_type_k, cache_type_v,
+                   verbose, budget, gpu_budget, runtime):
+    """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft)."""
+    from edgespec.slots import ParallelEngine, slot_context
+
+    slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
+    if runtime != "llamacpp":
+        raise EdgespecError("--parallel runs llama.cpp (one KV sequence per slot in one context); drop --runtime")
+    if flash_attn:
+        raise EdgespecError("--parallel keeps flash attention off (the slots' cells interleave in one pool, and "
+                            "llama.cpp's CPU flash attention then changes results); drop --flash-attn")
+    if budget or gpu_budget:
+        raise EdgespecError("--budget does not plan --parallel yet; size the pool with --ctx (see `edgespec plan "
+                            "--parallel N`)")
+    return ParallelEngine.load(target, draft, parallel=parallel, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
+                               type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
 
 
 def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, max_sessions, session_ctx,
