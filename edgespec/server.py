@@ -290,7 +290,8 @@ class _Service:
 
     def extension(self, gen: AsyncGeneration, result: GenerationResult) -> dict:
         return {**result.stats.to_dict(), "finish_reason": result.finish_reason, "queue_s": gen.info.get("queue_s"),
-                "prefix_cache": gen.info.get("prefix_cache"), "draft_max": self.config.draft_max}
+                "prefix_cache": gen.info.get("prefix_cache"), "draft_max": self.config.draft_max,
+                "tokens": result.tokens}  # the generated ids (as llama-server's return_tokens): exact comparisons
 
     def visible_logprobs(self, result: GenerationResult) -> list[TokenLogprob]:
         """The log-probabilities of the tokens whose text was returned (a stop string cuts the rest)."""
