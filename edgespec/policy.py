@@ -9,6 +9,9 @@ rates a_1..a_k (each conditional on the previous ones passing), one round emits 
 
 and plain decoding is E(0) / T(0) = 1 / verify(1). The policy picks the (drafter, k) with the best
 E/T, so it never picks a setting it predicts to be slower than plain decoding.
+
+With parallel slots (edgespec.slots) other requests put R rows into the same pass; what this
+request's k + 1 rows cost is then the marginal verify(R + k + 1) - verify(R) (`rows_besides` = R).
 """
 
 from __future__ import annotations
@@ -123,17 +126,23 @@ class AdaptivePolicy:
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
         self._shadow: Draft | None = None  # lookup's proposal this round, scored even when unused
+        self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
 
     @property
     def drafters(self) -> list[Drafter]:
         return [d for d in (self.lookup, self.draft_model) if d is not None]
 
+    def _pass(self, n: int) -> float:
+        """What n rows of this request add to the target pass: verify(R + n) - verify(R)."""
+        r = self.rows_besides
+        return self.profile.verify(r + n) - self.profile.verify(r) if r else self.profile.verify(n)
+
     def plain_speed(self) -> float:
-        return 1.0 / self.profile.verify(1)
+        return 1.0 / self._pass(1)
 
     def _verify_costs(self, k: int) -> np.ndarray:
-        """verify(n) for n = 1 .. k + 1."""
-        return np.array([self.profile.verify(n) for n in range(1, k + 2)])
+        """The pass's cost of n = 1 .. k + 1 rows of this request."""
+        return np.array([self._pass(n) for n in range(1, k + 2)])
 
     def lookup_speeds(self, available: int) -> np.ndarray:
         """Predicted tokens/s of a lookup chain of k = 0 .. available tokens."""
@@ -187,7 +196,7 @@ class AdaptivePolicy:
         tau_token = target_speed * draft_s
 
         def keep_drafting(n: int, confidence: float, product: float) -> bool:
-            step = draft_s + self.profile.verify(n + 2) - self.profile.verify(n + 1)
+            step = draft_s + self._pass(n + 2) - self._pass(n + 1)
             return confidence >= tau_token and product >= target_speed * step
 
         return keep_drafting
@@ -202,7 +211,7 @@ class AdaptivePolicy:
         def add_sibling(n_nodes: int, p_alt: float, reach: float) -> bool:
             if added[0] + 1 >= self.max_branches or n_nodes + 2 > self.profile.max_batch:
                 return False
-            step = self.profile.verify(n_nodes + 2) - self.profile.verify(n_nodes + 1)
+            step = self._pass(n_nodes + 2) - self._pass(n_nodes + 1)
             if reach * p_alt >= target_speed * step:
                 added[0] += 1
                 return True
