@@ -324,6 +324,8 @@ def plan(
     gpu_budget: str = GPU_BUDGET,
     ctx: int = typer.Option(None, "--ctx", "-c", help="context size that must fit [default: the largest of 4096, 2048, 1024, 512 that fits]"),
     draft_max: int = typer.Option(None, help="longest draft length to consider [default: 4]"),
+    parallel: int = typer.Option(1, "--parallel", "-np", help="slots of `serve --parallel N`: --ctx is then the KV "
+                                 "pool they share (each gets --ctx / N)"),
     as_json: bool = typer.Option(False, "--json", help='print {"fits", "predicted_peak_bytes", "breakdown", "settings", ...}'),
 ) -> None:
     """Predict the peak memory of a target (+ draft) setup and choose the settings that fit a budget."""
@@ -331,7 +333,8 @@ def plan(
 
     from edgespec.planner import plan_for_cli
 
-    result = plan_for_cli(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx, max_draft=draft_max)
+    result = plan_for_cli(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx, max_draft=draft_max,
+                          parallel=parallel)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     if not result.fits:  # one line on stderr, exit status 2 (with --json the object above says it too)
@@ -449,7 +452,8 @@ def serve(
     if parallel != 1:
         engine = _load_parallel(target, draft, parallel, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                                 flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                                verbose=verbose, budget=budget, gpu_budget=gpu_budget, runtime=runtime)
+                                verbose=verbose, budget=budget, gpu_budget=gpu_budget, runtime=runtime,
+                                reserve_bytes=prefix_bytes, draft_max=draft_max)
     else:
         engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
                              flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
@@ -465,7 +469,7 @@ def serve(
 
 
 def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, flash_attn, cache_type_k, cache_type_v,
-                   verbose, budget, gpu_budget, runtime):
+                   verbose, budget, gpu_budget, runtime, reserve_bytes=0, draft_max=None):
     """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft)."""
     from edgespec.slots import ParallelEngine, slot_context
 
@@ -475,9 +479,18 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
     if flash_attn:
         raise EdgespecError("--parallel keeps flash attention off (the slots' cells interleave in one pool, and "
                             "llama.cpp's CPU flash attention then changes results); drop --flash-attn")
-    if budget or gpu_budget:
-        raise EdgespecError("--budget does not plan --parallel yet; size the pool with --ctx (see `edgespec plan "
-                            "--parallel N`)")
+    if gpu_budget:
+        raise EdgespecError("--gpu-budget does not plan --parallel yet; use --budget (host memory) or size the pool "
+                            "with --ctx")
+    if budget:
+        from edgespec.planner import apply_budget_parallel
+
+        engine, the_plan = apply_budget_parallel(target, draft, parallel=parallel, budget=budget, ctx=ctx, max_draft=draft_max,
+                                                 n_threads=threads, verbose=verbose, reserve_bytes=reserve_bytes)
+        typer.echo(f"edgespec: plan for --budget {budget}: predicted peak "
+                   f"{the_plan.predicted_peak_bytes / 2**20:.0f} MiB; " + "; ".join(the_plan.summary_lines()[1:]),
+                   err=True)
+        return engine
     return ParallelEngine.load(target, draft, parallel=parallel, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
                                type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
 

@@ -219,3 +219,21 @@ def test_sampled_outputs_under_load_pass_the_chi_square_check(tiny_pair, tmp_pat
     p = chi_square_pvalue(samples, joint)
     print(f"\nparallel {mode}: chi-square p = {p:.4f} over {N_SAMPLES} samples, {counters}")
     assert p > 0.001
+
+
+def test_a_budget_plans_and_loads_the_slots(smollm2_path):
+    """serve --parallel N --budget B: the plan's pool and rows are what gets loaded, and it serves."""
+    from edgespec.planner import apply_budget_parallel
+
+    engine, the_plan = apply_budget_parallel(smollm2_path, None, parallel=2, budget="1G", ctx=1024, n_threads=1)
+    with engine:
+        assert engine.n_slots == 2 and engine.slot_ctx == 512 and the_plan.fits
+        assert engine.target.n_ctx == 1024
+        assert engine.target.options.n_outputs_max == the_plan.settings.target_settings().n_outputs_max == 10
+        scheduler = SlotScheduler(engine)
+        try:
+            result = asyncio.run(scheduler.generate(engine.front.prompt_tokens("Hi", raw=True),
+                                                    GenerationConfig(max_tokens=4, temperature=0, mode="lookup")))
+        finally:
+            scheduler.close()
+        assert len(result.tokens) == 4
