@@ -162,7 +162,8 @@ class SlotScheduler:
         self.prefill_chunk = max(1, prefill_chunk)
         self.slots = [_Slot(i, e) for i, e in enumerate(engine.engines)]
         self.counters = {"completed": 0, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 0,
-                         "steps": 0, "batched_steps": 0, "rows": 0, "max_active": 0}
+                         "steps": 0, "batched_steps": 0, "rows": 0, "max_active": 0, "prefill_chunks": 0,
+                         "mixed_steps": 0}
         self._profile = engine.front._profile
         self._last_rows = 0
         self._jobs: queue.Queue = queue.Queue()
@@ -380,6 +381,9 @@ class SlotScheduler:
         self.counters["steps"] += 1
         self.counters["batched_steps"] += len(work) > 1
         self._last_rows = sum(len(w[1]) for w in work if w[2])  # verify rows (prefill chunks are one-off)
+        chunks = sum(1 for w in work if not w[2])
+        self.counters["prefill_chunks"] += chunks
+        self.counters["mixed_steps"] += 0 < chunks < len(work)  # a prefill chunk rode along other requests' rows
         self.counters["rows"] += sum(len(w[1]) for w in work)
         for (slot, round_, end), (_, fed, _), logits in zip(plans, work, outs):
             try:
@@ -445,4 +449,5 @@ class SlotScheduler:
     def stats(self) -> dict:
         return {"slots": self.n_slots, "active": self.active, "slot_ctx": self.engine.slot_ctx,
                 "kv_cells_used": self.engine.target.cells_used, "kv_cells": self.engine.target.n_ctx,
-                **{k: self.counters[k] for k in ("steps", "batched_steps", "rows", "max_active")}}
+                **{k: self.counters[k] for k in ("steps", "batched_steps", "rows", "max_active", "prefill_chunks",
+                                                 "mixed_steps")}}

@@ -237,3 +237,64 @@ def test_a_budget_plans_and_loads_the_slots(smollm2_path):
         finally:
             scheduler.close()
         assert len(result.tokens) == 4
+
+
+# --- in-process: continuous batching, chunked prefill, prefix reuse per slot -----------------------
+
+@pytest.fixture(scope="module")
+def smol_slots(smollm2_path):
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    with ParallelEngine(LlamaCppMultiSeqRuntime(smollm2_path, LlamaCppOptions(n_ctx=2048, n_threads=1), n_seq=2),
+                        slot_ctx=1024) as engine:
+        yield engine
+
+
+def test_a_joining_prompt_is_prefilled_in_chunks_beside_a_running_request(smol_slots, plain):
+    scheduler = SlotScheduler(smol_slots, prefill_chunk=32)
+    long_prompt = plain.prompt_tokens("Summarise: " + "the quick brown fox jumps over the lazy dog; " * 30, raw=True)
+    counting = plain.prompt_tokens(COUNTING, raw=True)
+
+    async def run():
+        first = scheduler.submit(counting, GenerationConfig(max_tokens=60, temperature=0, mode="ar"))
+        async for _ in first:  # the first request is generating when the second joins
+            break
+        second = await scheduler.generate(long_prompt, GenerationConfig(max_tokens=4, temperature=0, mode="ar"))
+        return await first.text(), second
+
+    try:
+        a, b = asyncio.run(run())
+    finally:
+        scheduler.close()
+    c = scheduler.counters
+    chunks = -(-(len(long_prompt) - 1) // 32)
+    assert len(long_prompt) > 300 and c["prefill_chunks"] >= chunks
+    assert c["mixed_steps"] >= chunks - 1, c  # the running request kept decoding through the prefill
+    assert a.finish_reason == "length" and len(b.tokens) == 4
+    assert argmax_gaps(plain.target, counting, a.tokens).max() <= OWN_CONTEXT_GAP
+    assert argmax_gaps(plain.target, long_prompt, b.tokens).max() <= OWN_CONTEXT_GAP
+
+
+def test_each_slot_keeps_its_prefix_for_the_next_request(smol_slots, plain):
+    scheduler = SlotScheduler(smol_slots)
+    one = "You are a patient tutor of chemistry for high-school students. Explain with everyday examples. " * 3
+    two = "You are a terse assistant for shell scripting questions; answer with one command and no prose. " * 3
+
+    def chat(system, user):
+        return plain.prompt_tokens([{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+    async def run():
+        cfg = GenerationConfig(max_tokens=4, temperature=0, mode="ar")
+        await asyncio.gather(scheduler.generate(chat(one, "What is an acid?"), cfg),
+                             scheduler.generate(chat(two, "List files."), cfg))
+        # each slot now holds one system prompt; each follow-up goes to the slot holding its own
+        return await asyncio.gather(scheduler.generate(chat(two, "Count lines."), cfg),
+                                    scheduler.generate(chat(one, "What is a base?"), cfg))
+
+    try:
+        again_two, again_one = asyncio.run(run())
+    finally:
+        scheduler.close()
+    n_one = len(plain.prompt_tokens([{"role": "system", "content": one}]))
+    n_two = len(plain.prompt_tokens([{"role": "system", "content": two}]))
+    assert again_one.stats.cached_tokens >= n_one - 5 and again_two.stats.cached_tokens >= n_two - 5
