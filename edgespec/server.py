@@ -37,7 +37,7 @@ from edgespec.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTi
 from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.prefix_cache import PrefixCache
-from edgespec.slots import ParallelEngine, SlotScheduler
+from edgespec.slots import ParallelEngine, SlotScheduler, StepFailedError
 
 
 @dataclass(frozen=True)
@@ -361,6 +361,8 @@ def _result_or_raise(task: asyncio.Future) -> GenerationResult:
         raise ApiError(504, f"{exc}; ask for fewer tokens or try again", "timeout_error", code="timeout") from None
     except ContextOverflowError as exc:
         raise ApiError(400, str(exc), code="context_length_exceeded") from None
+    except StepFailedError as exc:  # the model failed, not the request: another try may pass
+        raise ApiError(503, str(exc), "server_error", code="unavailable", headers={"Retry-After": "1"}) from None
     except EdgespecError as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -517,6 +519,8 @@ def create_app(engine: "Engine | ParallelEngine", config: ServerConfig):
                         yield _event({**head, "choices": [], "usage": service.usage(result)})
                 except RequestTimeoutError as exc:
                     yield _event(ApiError(504, f"{exc}; ask for fewer tokens", "timeout_error", code="timeout").body())
+                except StepFailedError as exc:
+                    yield _event(ApiError(503, str(exc), "server_error", code="unavailable").body())
                 except EdgespecError as exc:
                     yield _event(ApiError(400, str(exc)).body())
                 except Exception as exc:  # noqa: BLE001 - the status line is sent already: say it in the stream

@@ -50,6 +50,11 @@ class SlotsError(EdgespecError):
     """Parallel slots that cannot be set up as asked."""
 
 
+class StepFailedError(EdgespecError):
+    """llama.cpp failed a batched pass (out of compute memory or KV cells): the requests in it end,
+    the slots are freed, the server keeps serving (HTTP 503: retry)."""
+
+
 def slot_context(n_ctx: int, n_slots: int) -> int:
     """Tokens each slot may hold: its share of the pool (llama-server's rule: --ctx / --parallel)."""
     if not 1 <= n_slots <= MAX_SLOTS:
@@ -78,6 +83,8 @@ class ParallelEngine:
         self.draft_runtime = draft
         self.n_slots = target.n_seq
         self.slot_ctx = slot_ctx
+        if slot_ctx * self.n_slots > target.n_ctx:  # then a full slot could not overflow the pool
+            raise SlotsError(f"{self.n_slots} slots of {slot_ctx} tokens do not fit a pool of {target.n_ctx} cells")
         self.engines = [Engine(target.sequence(i, slot_ctx), draft.sequence(i, slot_ctx) if draft else None)
                         for i in range(self.n_slots)]
 
@@ -373,9 +380,9 @@ class SlotScheduler:
         t = time.perf_counter()
         try:
             outs = self.engine.target.decode_batch(work)
-        except EdgespecError as exc:  # the pool is full or compute failed: every sequence was rolled back
+        except EdgespecError as exc:  # compute failed: every sequence was rolled back
             for slot, _, _ in plans:
-                self._fail(slot, exc)
+                self._fail(slot, StepFailedError(f"the model could not evaluate this step ({exc}); retry"))
             return
         pass_s = time.perf_counter() - t
         self.counters["steps"] += 1
