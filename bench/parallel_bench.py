@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"systems": {}}
     for name, cmd in chosen.items():
         print(f"{name}", file=sys.stderr, flush=True)
-        with running(cmd, out.with_suffix(".log")) as url:
+        with running(cmd, out.with_name(out.stem + ".server.log")) as url:
             ask(url, "Hello.", 8)  # warm-up (and auto's cost profile)
             rows = []
             for c in clients:
