@@ -1,14 +1,16 @@
 """Benchmark of parallel slots: `edgespec serve --parallel 1` vs `--parallel 4` vs llama-server `--parallel 4`.
 
     python -m edgespec.bench.parallel_bench [--clients 1,2,4,8] [--per-client 3] [--max-tokens 64]
-                                            [--threads 2] [--modes ar,auto] [--out bench/PARALLEL_RESULTS.md]
+                                            [--threads 1] [--repeats 2] [--modes ar,auto]
+                                            [--out bench/PARALLEL_RESULTS.md]
 
 Every server runs SmolLM2-135M Q4_1 with the same KV pool (--ctx 4096; with 4 slots each gets 1024,
 llama-server's rule) and the same threads, on loopback, one after another in the same run. At each
 level of C concurrent clients, every client sends `per_client` chat requests one after another
 (distinct questions, a short system prompt, greedy, `max_tokens` tokens); aggregate tokens/s is all
 completion tokens over the wall time of the level; latency is per request, send to the last byte
-(non-streaming), reported as p50 and p95. llama-server is built from the llama.cpp that the
+(non-streaming), reported as p50 and p95. All servers are up at once and take turns at each level,
+for `repeats` rounds; the tables show medians over the rounds. llama-server is built from the llama.cpp that the
 llama-cpp-python sdist vendors (`edgespec.bench.llama_tools`), so both race the same kernels.
 
 Writes a markdown report and a JSON file beside it. The machine is shared: the load average before
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -122,6 +124,14 @@ def level(url: str, clients: int, per_client: int, max_tokens: int) -> dict:
             "latency_p95_s": p95}
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The median of each measure over the repeats of one level."""
+    out = {"clients": rows[0]["clients"], "repeats": len(rows), "errors": [e for r in rows for e in r["errors"]]}
+    for key in ("tokens_per_s", "latency_p50_s", "latency_p95_s", "tokens", "wall_s"):
+        out[key] = statistics.median(r[key] for r in rows)
+    return out
+
+
 def render(results: dict) -> str:
     meta = results["meta"]
     names = list(results["systems"])
@@ -131,7 +141,8 @@ def render(results: dict) -> str:
              f"Machine: {meta['machine']}; load average before {meta['load_before']}, after {meta['load_after']} "
              "(the machine is shared with other jobs: read the ratios, measured in one run).", "",
              f"SmolLM2-135M Q4_1, greedy, chat requests of {meta['max_tokens']} tokens at most, {meta['per_client']} "
-             f"per client, KV pool {CTX} tokens, {meta['threads']} threads per server.", "",
+             f"per client, KV pool {CTX} tokens, {meta['threads']} thread(s) per server; medians of {meta['repeats']} "
+             "repeats, the systems taking turns at each level.", "",
              "## Aggregate tokens/s (completion tokens over the wall time of each level)", "",
              "| system | " + " | ".join(f"{c} client{'s' if c > 1 else ''}" for c in levels) + " |",
              "|---|" + "---:|" * len(levels)]
@@ -164,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--per-client", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--modes", default="ar,auto")
     ap.add_argument("--systems", default="", help="only systems whose name contains one of these (comma-separated)")
     ap.add_argument("--out", default="bench/PARALLEL_RESULTS.md")
@@ -185,23 +197,29 @@ def main(argv: list[str] | None = None) -> int:
         chosen = {n: [server if c == "{llama-server}" else c for c in cmd] for n, cmd in chosen.items()}
     out = Path(args.out)
     load_before = os.getloadavg()
-    results = {"systems": {}}
-    for name, cmd in chosen.items():
-        print(f"{name}", file=sys.stderr, flush=True)
-        with running(cmd, out.with_name(out.stem + ".server.log")) as url:
+    runs: dict[str, list[list[dict]]] = {name: [[] for _ in clients] for name in chosen}
+    with ExitStack() as stack:
+        # Every server is up at once (idle ones cost no CPU) and the systems take turns at each level,
+        # repeat after repeat, so the shared machine's load drifts over all of them alike.
+        urls = {name: stack.enter_context(running(cmd, out.with_name(f"{out.stem}.{i}.server.log")))
+                for i, (name, cmd) in enumerate(chosen.items())}
+        for url in urls.values():
             ask(url, "Hello.", 8)  # warm-up (and auto's cost profile)
-            rows = []
-            for c in clients:
-                rows.append(level(url, c, args.per_client, args.max_tokens))
-                print(f"  {c} clients: {rows[-1]['tokens_per_s']:.1f} tok/s, p50 {rows[-1]['latency_p50_s']:.2f} s",
-                      file=sys.stderr, flush=True)
-            results["systems"][name] = rows
+        for r in range(args.repeats):
+            for i, c in enumerate(clients):
+                for name, url in urls.items():
+                    row = level(url, c, args.per_client, args.max_tokens)
+                    runs[name][i].append(row)
+                    print(f"repeat {r + 1}, {c} clients, {name}: {row['tokens_per_s']:.1f} tok/s, "
+                          f"p50 {row['latency_p50_s']:.2f} s", file=sys.stderr, flush=True)
+    results = {"systems": {name: [median_row(rows) for rows in per_level] for name, per_level in runs.items()},
+               "runs": runs}
     results["meta"] = {"command": "python -m edgespec.bench.parallel_bench " + " ".join(argv or sys.argv[1:]),
                        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
                        "load_before": [round(x, 2) for x in load_before],
                        "load_after": [round(x, 2) for x in os.getloadavg()], "clients": clients,
                        "per_client": args.per_client, "max_tokens": args.max_tokens, "threads": args.threads,
-                       "modes": modes}
+                       "modes": modes, "repeats": args.repeats}
     out.write_text(render(results))
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     print(out.read_text())
