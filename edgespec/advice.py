@@ -161,6 +161,16 @@ def _catalog() -> list[Any] | None:
         return None
 
 
+def _recommended_pair(budget: int) -> tuple[Any, int] | None:
+    """(pair, predicted peak) of the largest recommended pair (models/pairs.json) within the budget."""
+    try:
+        from edgespec.models import pairs
+    except Exception:  # advice must answer even where the pairs catalog cannot load
+        return None
+    pair = pairs.largest_fitting(budget)
+    return (pair, pair.expected_bytes()) if pair else None
+
+
 def model_need_bytes(*size_bytes: int) -> int:
     """Rough memory to run these model files together (weights, plus KV cache and buffers for each)."""
     return int(sum(size_bytes) * _OVERHEAD_FACTOR) + _OVERHEAD_BYTES * len(size_bytes)
@@ -198,8 +208,20 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
     on_gpu = gpu_layers != 0
     why_mode = ("on a GPU, verifying k tokens costs about one step, where draft-model speculation usually pays "
                 "(edgespec has not measured this hardware)" if on_gpu else
-                "on a CPU, draft-model speculation often loses (0.7-0.86x plain decoding with this pair on a "
-                "2-core build machine) while prompt lookup helps on edit-like prompts; `auto` measures and chooses")
+                "on a CPU, draft-model speculation often loses (0.7-0.86x plain decoding with the Qwen2.5-Coder "
+                "1.5B + 0.5B pair on a 2-core build machine) while prompt lookup helps on edit-like prompts; `auto` "
+                "measures and chooses")
+    recommended = _recommended_pair(budget)
+    if recommended is not None:
+        pair, need = recommended
+        return [Advice(
+            "models", f"the largest recommended pair that fits is {pair.target.name} with draft {pair.draft.name} "
+            f"({_gib(need)} predicted by the memory planner at a 4096-token context, of {_gib(budget)} {what}); "
+            f"{why_mode}. Fetch it, then run it:",
+            f"{pair.pull_command()} && {pair.run_command()} --mode auto",
+            {"target": pair.target.source, "draft": pair.draft.source, "mode": "auto", "n_gpu_layers": gpu_layers,
+             "n_threads": threads, "need_bytes": need, "budget_bytes": budget, "family": pair.family,
+             "pull": [pair.target.source, pair.draft.source]})]
     for target, draft in pairs:
         need = model_need_bytes(target.size_bytes, draft.size_bytes)
         if need <= budget:

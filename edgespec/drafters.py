@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgespec.runtimes.base import Runtime, sync_to
+from edgespec.runtimes.base import Runtime, common_prefix_length, sync_to
 from edgespec.sampling import Sampler
 
 
@@ -22,6 +22,8 @@ class Draft:
     probs: np.ndarray | None = None  # (m, n_vocab) draft distributions, None = deterministic
     parents: np.ndarray | None = None  # a tree: parent node of each token (0 = the last committed
     #                                    token, i + 1 = tokens[i]); None = a chain
+    confidence: np.ndarray | None = None  # (m,) the drafter's own chance that token i follows, given
+    #                                       tokens[:i] did (suffix drafting); None = not given
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -36,9 +38,10 @@ class Drafter(Protocol):
     def prepare(self, context: np.ndarray) -> None:
         """Prefill whatever the drafter needs for this context (counted in time to first token)."""
 
-    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None) -> Draft:
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
         """Up to k tokens continuing `context`. `gate(n, confidence, product) -> bool` may end a
-        draft early (drafters that know their confidence honour it)."""
+        draft early, and `branch(n_nodes, p_alt, reach) -> bool` may add a runner-up token as a
+        sibling leaf, making a tree; drafters that know their confidence honour them, others ignore them."""
 
 
 class DraftModelDrafter:
@@ -59,6 +62,11 @@ class DraftModelDrafter:
         kept = sync_to(self.runtime, context[:-1])
         if kept < len(context) - 1:
             self.runtime.decode(context[kept:-1], 0)
+
+    def unseen(self, context: np.ndarray) -> int:
+        """Tokens of `context` the draft model would have to evaluate before drafting (its catch-up):
+        the whole prompt when it was never prepared (auto prefills it only once it first pays)."""
+        return len(context) - common_prefix_length(self.runtime.tokens, context)
 
     def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
         """Draft a chain of up to k tokens; `branch(n_nodes, p_alt, reach)` may add, at a position,
@@ -93,7 +101,7 @@ class DraftModelDrafter:
             elif branch is not None:
                 product *= float(dist[tokens[i]])
         if siblings:
-            return _with_siblings(tokens, siblings)
+            return with_siblings(tokens, siblings)
         return Draft(tokens, probs)
 
 
@@ -115,7 +123,7 @@ class PromptLookupDrafter:
     def prepare(self, context: np.ndarray) -> None:
         pass
 
-    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None) -> Draft:
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
         n_ctx = len(context)
         for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
             suffix = context[n_ctx - n:]
@@ -144,7 +152,7 @@ def _second_choice(dist: np.ndarray, first: int) -> int:
     return int(top2[0] if top2[0] != first else top2[1])
 
 
-def _with_siblings(chain: np.ndarray, siblings: list[tuple[int, int]]) -> Draft:
+def with_siblings(chain: np.ndarray, siblings: list[tuple[int, int]]) -> Draft:
     """A chain plus sibling leaves: each sibling is an alternative to the chain token at its position."""
     tokens, parents = [], []
     node_of_position = []  # tree node of chain position i

@@ -33,6 +33,7 @@ from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPoli
 from edgespec.runtimes.base import Runtime, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
+from edgespec.suffix import SuffixDrafter, SuffixHistory, vocabulary_key
 from edgespec.verify import Verifier, accept_greedy, accept_sampling, accept_tree_greedy, accept_tree_sampling
 from edgespec.vocab import check_vocab_compatible
 
@@ -77,7 +78,7 @@ class GenerationConfig:
     repeat_penalty: float = 1.0
     seed: int | None = None        # None = a fresh seed, reported in the stats
     stop: tuple[str, ...] = ()
-    mode: str = "auto"             # auto | ar | draft | lookup
+    mode: str = "auto"             # auto | ar | draft | lookup | suffix
     draft_max: int | None = None   # tokens drafted per round; None = the mode's default
     raw: bool = False              # True: the prompt is used as is, no chat template
     logprobs: int | None = None    # record the target's log-probability of each emitted token and of
@@ -169,7 +170,8 @@ class Engine:
 
     thread_safe = False
 
-    def __init__(self, target: Runtime, draft: Runtime | None = None, *, memory_guard: "MemoryGuard | None" = None):
+    def __init__(self, target: Runtime, draft: Runtime | None = None, *, memory_guard: "MemoryGuard | None" = None,
+                 history: SuffixHistory | None = None):
         if draft is not None:
             check_vocab_compatible(target, draft)
         self.target = target
@@ -178,9 +180,17 @@ class Engine:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self.drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
+        self.use_history(history if history is not None else SuffixHistory())
         if draft is not None:
             self.drafters["draft"] = DraftModelDrafter(draft)
         self._profile = None
+
+    def use_history(self, history: SuffixHistory) -> None:
+        """Earlier generations' outputs, which suffix drafting copies from (see edgespec.suffix);
+        every generation adds its own. Keyed by this target's vocabulary."""
+        history.key = history.key or vocabulary_key(self.target)
+        self.history = history
+        self.drafters["suffix"] = SuffixDrafter(history)
 
     def cost_profile(self, refresh: bool = False):
         """The measured costs `--mode auto` weighs (cached on disk per model, build, device, threads)."""
@@ -231,6 +241,10 @@ class Engine:
 
         if draft is None:
             draft = store.bundle_draft(target)  # an exported bundle names its own draft
+        elif draft == "auto":  # an installed model whose vocabulary matches the target's (the CLI says which)
+            from edgespec.models.pairs import auto_draft
+
+            draft = auto_draft(target)[0]
         if n_gpu_layers is None:  # None = all layers where a GPU build has a GPU, else 0
             from edgespec.hardware import resolve_gpu_layers
 
@@ -282,11 +296,15 @@ class Engine:
             if raw:
                 return self.target.tokenize(prompt, add_special=True, parse_special=False)
             prompt = [{"role": "user", "content": prompt}]
-        text = render_chat(self.target.chat_template(), prompt, bos_token=self._piece(self.target.vocab.bos),
-                           eos_token=self._piece(self.target.vocab.eos))
+        text = self.prompt_text(prompt)
         bos_text = self._piece(self.target.vocab.bos)
         add_bos = not (bos_text and text.startswith(bos_text))  # templates often write BOS themselves
         return self.target.tokenize(text, add_special=add_bos, parse_special=True)
+
+    def prompt_text(self, messages: Sequence[Message]) -> str:
+        """Chat messages rendered with the target's chat template (what `prompt_tokens` tokenizes)."""
+        return render_chat(self.target.chat_template(), messages, bos_token=self._piece(self.target.vocab.bos),
+                           eos_token=self._piece(self.target.vocab.eos))
 
     def _piece(self, token: int | None) -> str:
         return "" if token is None else self.target.token_text(token)
@@ -303,21 +321,22 @@ class Engine:
             if rows:
                 k = min(k, rows - 1)
             return mode, AdaptivePolicy(self.cost_profile(), self.drafters["lookup"], self.drafters.get("draft"),
-                                        k_max=k, max_branches=branches)
+                                        k_max=k, max_branches=branches, suffix=self.drafters["suffix"])
         if mode == "ar":
             return mode, FixedPolicy(None, 0)
         return mode, FixedPolicy(self.drafters[mode], k)
 
     def start(self, prompt_ids: Sequence[int], config: GenerationConfig, policy: Policy,
               mode: str) -> SpeculativeState:
-        """Check the budget, then prefill target and drafters (all of it counts as time to first token)."""
+        """Check the budget, then prefill the target and the drafters the policy prefills (all of it
+        counts as time to first token; a drafter auto prefills later catches up inside draft_s)."""
         state = self.new_state(prompt_ids, config, mode)
         prompt, n_prompt = state.committed, state.n_prompt
         kept = sync_to(self.target, prompt[:-1])  # reuse the KV of a shared prefix
         if kept < n_prompt - 1:
             self.target.decode(prompt[kept:-1], 0)
         state.stats.cached_tokens, state.stats.prefilled_tokens = kept, n_prompt - 1 - kept
-        for drafter in policy.drafters:
+        for drafter in policy.prefilled:
             drafter.prepare(prompt)
         state.stats.prefill_s = time.perf_counter() - state.t_start
         return state
@@ -449,6 +468,7 @@ class Engine:
                     yield new
         finally:
             state.stats.decode_s = time.perf_counter() - t_decode
+            self.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
             if self.memory_guard is not None:
                 self.memory_guard.observe(state)
 

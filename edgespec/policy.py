@@ -12,6 +12,13 @@ E/T, so it never picks a setting it predicts to be slower than plain decoding.
 
 With parallel slots (edgespec.slots) other requests put R rows into the same pass; what this
 request's k + 1 rows cost is then the marginal verify(R + k + 1) - verify(R) (`rows_besides` = R).
+
+Where the rates come from: the model-free drafters (prompt lookup, suffix) cost nothing to ask, so
+every round asks each of them for its longest proposal, used or not, and scores it against the
+tokens later rounds commit (ShadowScorer). Their estimates therefore cover every position up to
+the longest k, whatever was drafted. The draft model is scored on what it drafted. The suffix
+drafter states a confidence per token; its rates are that confidence as calibrated against what
+the target accepted (ConfidenceCalibration).
 """
 
 from __future__ import annotations
@@ -21,15 +28,15 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from edgespec.drafters import Draft, Drafter
+from edgespec.drafters import Draft, Drafter, DraftModelDrafter
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
     from edgespec.engine import SpeculativeState
     from edgespec.profile import CostProfile
 
-MODES = ("auto", "ar", "draft", "lookup")
-DEFAULT_DRAFT_MAX = {"draft": 4, "lookup": 4, "auto": 8}
+MODES = ("auto", "ar", "draft", "lookup", "suffix")
+DEFAULT_DRAFT_MAX = {"draft": 4, "lookup": 4, "suffix": 8, "auto": 16}
 # A speculative choice must be predicted this much faster than plain decoding. The acceptance
 # estimates follow the last few rounds, so the option that looks best is biased upward (the winner's
 # curse): break-even choices, prompt lookup on chat text above all, measured 2-4 % slower than plain.
@@ -57,7 +64,11 @@ NO_DRAFT = Choice(None, 0)
 class Policy(Protocol):
     @property
     def drafters(self) -> list[Drafter]:
-        """Every drafter this policy may pick (the engine prepares them all at prefill)."""
+        """Every drafter this policy may pick."""
+
+    @property
+    def prefilled(self) -> list[Drafter]:
+        """The drafters the engine prepares at prefill; the others catch up when first used."""
 
     def choose(self, state: "SpeculativeState") -> Choice: ...
 
@@ -75,6 +86,8 @@ class FixedPolicy:
     def drafters(self) -> list[Drafter]:
         return [self.drafter] if self.drafter else []
 
+    prefilled = drafters
+
     def choose(self, state: "SpeculativeState") -> Choice:
         # The verify pass always emits one token of its own, so drafting past remaining - 1 is waste.
         k = min(self.k, state.remaining - 1)
@@ -84,26 +97,39 @@ class FixedPolicy:
         pass
 
 
-class AcceptanceEstimate:
-    """Per-position acceptance rates of one drafter, exponentially decayed so they follow the text.
+class DecayedRates:
+    """hits / trials per bin, exponentially decayed so the rates follow the text; a weak prior
+    keeps a bin that has seen nothing from looking perfect or hopeless."""
 
-    Position i is counted only in rounds that reached it (every earlier draft token accepted).
-    A weak prior keeps a drafter that was never tried from looking perfect or hopeless.
-    """
-
-    def __init__(self, k_max: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.9):
-        self.hits = np.full(k_max, prior * weight)
-        self.trials = np.full(k_max, weight)
+    def __init__(self, prior: np.ndarray, weight: float, decay: float):
+        self.hits = prior * weight
+        self.trials = np.full(len(prior), weight)
         self.decay = decay
 
-    def update(self, n_drafted: int, n_accepted: int) -> None:
-        if n_drafted == 0:
-            return
+    def decay_step(self) -> None:
         self.hits *= self.decay
         self.trials *= self.decay
-        reached = min(n_accepted + 1, n_drafted)
-        self.trials[:reached] += 1
-        self.hits[:n_accepted] += 1
+
+
+class AcceptanceEstimate(DecayedRates):
+    """Per-position acceptance rates of one drafter. Position i is counted only in rounds that
+    reached it (every earlier draft token accepted)."""
+
+    def __init__(self, k_max: int, prior: float = 0.5, weight: float = 2.0, decay: float = 0.9):
+        super().__init__(np.full(k_max, prior), weight, decay)
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        """One round that drafted n_drafted tokens, of which the target accepted n_accepted."""
+        if n_drafted:
+            self.decay_step()
+            self.record(0, n_accepted, n_accepted < n_drafted)
+
+    def record(self, first: int, n_passed: int, failed: bool) -> None:
+        """Positions first .. first + n_passed - 1 passed and, if `failed`, the one after did not
+        (every position before `first` passed, judged in earlier rounds)."""
+        stop = min(first + n_passed + int(failed), len(self.trials))
+        self.trials[first:stop] += 1
+        self.hits[first:min(first + n_passed, stop)] += 1
 
     @property
     def rates(self) -> np.ndarray:
@@ -114,23 +140,94 @@ class AcceptanceEstimate:
         return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.rates))])
 
 
+class ConfidenceCalibration(DecayedRates):
+    """Acceptance as a function of a drafter's own confidence, per confidence bin, starting from
+    the bin's confidence (a drafter is believed until the target says otherwise)."""
+
+    EDGES = np.array([0.2, 0.4, 0.6, 0.8, 0.95])
+
+    def __init__(self, weight: float = 2.0, decay: float = 0.95):
+        super().__init__(np.array([0.1, 0.3, 0.5, 0.7, 0.875, 0.975]), weight, decay)
+
+    def rates(self, confidence: np.ndarray) -> np.ndarray:
+        return (self.hits / self.trials)[np.searchsorted(self.EDGES, confidence, side="right")]
+
+    def record(self, confidence: np.ndarray, n_passed: int, failed: bool) -> None:
+        """Tokens with these confidences: the first n_passed passed and, if `failed`, the next did not."""
+        bins = np.searchsorted(self.EDGES, confidence[:n_passed + int(failed)], side="right")
+        np.add.at(self.trials, bins, 1.0)
+        np.add.at(self.hits, bins[:n_passed], 1.0)
+
+
+class ShadowScorer:
+    """Scores whole proposals against the tokens committed after them, position by position, over as
+    many rounds as it takes.
+
+    A proposal made when `start` tokens were committed predicts the tokens at start, start + 1, ...;
+    each round judges the positions its committed tokens cover, until one differs (under greedy that
+    is exactly what verification would have done; under sampling a one-hot token x passes with
+    probability p(x), the chance the committed token is x) or the proposal is used up.
+    """
+
+    MAX_PENDING = 64  # proposals still open; older ones are dropped (a generation that ended, say)
+
+    def __init__(self):
+        self._pending: list[list] = []  # [drafter name, draft, position of its first token, judged so far]
+
+    def add(self, name: str, draft: Draft, start: int) -> None:
+        if len(draft):
+            self._pending.append([name, draft, start, 0])
+            del self._pending[:-self.MAX_PENDING]
+
+    def observe(self, start: int, committed: np.ndarray) -> list[tuple[str, Draft, int, int, bool]]:
+        """`committed` are the tokens now at positions start, start + 1, ...; returns, per proposal
+        they judge, (drafter name, draft, index of its first newly judged token, how many of them
+        matched, whether the next one failed)."""
+        judged, still = [], []
+        for entry in self._pending:
+            name, draft, first, done = entry
+            if start - first != done:  # not in step (a gap in what was observed): cannot be judged
+                continue
+            predicted = draft.tokens[done:done + len(committed)]
+            if not len(predicted):
+                continue
+            same = predicted == committed[:len(predicted)]
+            n_same = len(same) if same.all() else int(np.argmin(same))
+            failed = n_same < len(same)
+            judged.append((name, draft, done, n_same, failed))
+            entry[3] = done + len(predicted)
+            if not failed and entry[3] < len(draft):
+                still.append(entry)
+        self._pending = still
+        return judged
+
+
 class AdaptivePolicy:
     """Speculate only when it pays, by the measured costs and the acceptance seen so far."""
 
-    def __init__(self, profile: "CostProfile", lookup: Drafter | None, draft_model: Drafter | None,
-                 k_max: int = DEFAULT_DRAFT_MAX["auto"], max_branches: int = 1):
+    def __init__(self, profile: "CostProfile", lookup: Drafter | None, draft_model: DraftModelDrafter | None,
+                 k_max: int = DEFAULT_DRAFT_MAX["auto"], max_branches: int = 1, suffix: Drafter | None = None):
         self.profile = profile
         self.lookup = lookup
+        self.suffix = suffix
         self.draft_model = draft_model
         self.k_max = max(1, min(k_max, profile.max_batch - 1))
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
-        self._shadow: Draft | None = None  # lookup's proposal this round, scored even when unused
+        self.calibration = ConfidenceCalibration()  # the suffix drafter's confidence -> acceptance
+        self.shadows = ShadowScorer()
+        self._round_start = 0
         self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
 
     @property
     def drafters(self) -> list[Drafter]:
-        return [d for d in (self.lookup, self.draft_model) if d is not None]
+        return [d for d in (self.lookup, self.suffix, self.draft_model) if d is not None]
+
+    @property
+    def prefilled(self) -> list[Drafter]:
+        """None: the model-free drafters need no prefill, and the draft model is prefilled only once
+        it first pays, so a generation that ends up with lookup or nothing starts as fast as plain."""
+        return []
 
     def _pass(self, n: int) -> float:
         """What n rows of this request add to the target pass: verify(R + n) - verify(R)."""
@@ -144,45 +241,76 @@ class AdaptivePolicy:
         """The pass's cost of n = 1 .. k + 1 rows of this request."""
         return np.array([self._pass(n) for n in range(1, k + 2)])
 
-    def lookup_speeds(self, available: int) -> np.ndarray:
-        """Predicted tokens/s of a lookup chain of k = 0 .. available tokens."""
-        e = self.estimates["lookup"].expected_emitted()[: available + 1]
-        cost = self._verify_costs(available) + self.profile.lookup_s * (np.arange(available + 1) > 0)
+    def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:
+        """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""
+        e = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+        cost = self._verify_costs(len(rates)) + ask_s * (np.arange(len(rates) + 1) > 0)
         return e / cost
 
-    def draft_speeds(self, k_cap: int) -> np.ndarray:
-        """Predicted tokens/s of a draft-model chain of k = 0 .. k_cap tokens."""
+    def lookup_speeds(self, available: int) -> np.ndarray:
+        """Predicted tokens/s of a lookup chain of k = 0 .. available tokens."""
+        return self.chain_speeds(self.estimates["lookup"].rates[:available], self.profile.lookup_s)
+
+    def draft_speeds(self, k_cap: int, unseen: int = 0, remaining: int = 1 << 30) -> np.ndarray:
+        """Predicted tokens/s of a draft-model chain of k = 0 .. k_cap tokens. `unseen` tokens the
+        draft must catch up on first (its whole prompt, the first time) cost a prefill, spread over
+        the rounds left to pay it back."""
         est = self.estimates["draft"]
         e = est.expected_emitted()[: k_cap + 1]
         all_pass = np.concatenate([[0.0], np.cumprod(est.rates)])[: k_cap + 1]
         ks = np.arange(k_cap + 1)
         extra = (self.profile.draft_catchup_s or 0.0) - (self.profile.draft_s or 0.0)
         cost = self._verify_costs(k_cap) + ks * (self.profile.draft_s or 0.0) + all_pass * max(extra, 0.0)
+        if unseen > 1:
+            cost = cost + (ks > 0) * self.draft_prefill_s(unseen) * e / max(remaining, 1)
         return e / cost
+
+    def draft_prefill_s(self, n: int) -> float:
+        """The draft model's prefill of n tokens, from its step cost and the target's batching
+        efficiency (a batch of B costs verify(B) where B single steps cost B * verify(1))."""
+        b = self.profile.max_batch
+        return n * (self.profile.draft_s or 0.0) * self.profile.verify(b) / (b * self.profile.verify(1))
 
     def choose(self, state: "SpeculativeState") -> Choice:
         k_cap = min(self.k_max, state.remaining - 1)
         plain = Choice(None, 0, predicted_speed=self.plain_speed())
-        self._shadow = None
-        if k_cap <= 0:
+        self._round_start = state.n
+        proposals = {}
+        for drafter in (self.lookup, self.suffix):  # asked every round, used or not: see ShadowScorer
+            if drafter is not None:
+                proposals[drafter.name] = proposal = drafter.propose(state.committed, self.k_max, state.sampler)
+                self.shadows.add(drafter.name, proposal, state.n)
+        if k_cap <= 0 or state.n == state.n_prompt:  # the first token as soon as plain decoding has it
             return plain
         best = Choice(None, 0, predicted_speed=plain.predicted_speed * (1 + SPECULATION_MARGIN))
-        if self.lookup is not None:
-            proposal = self.lookup.propose(state.committed, k_cap, state.sampler)
-            self._shadow = proposal
-            if len(proposal):
-                speeds = self.lookup_speeds(len(proposal))
-                k = int(np.argmax(speeds))
-                if k > 0 and speeds[k] > best.predicted_speed:
-                    best = Choice(self.lookup, k, Draft(proposal.tokens[:k]), predicted_speed=float(speeds[k]))
+        for name, proposal in proposals.items():
+            if not len(proposal):
+                continue
+            if proposal.confidence is not None:
+                rates = self.calibration.rates(proposal.confidence[:k_cap])
+            else:
+                rates = self.estimates[name].rates[:min(len(proposal), k_cap)]
+            speeds = self.chain_speeds(rates, self.profile.suffix_s if name == "suffix" else self.profile.lookup_s)
+            k = int(np.argmax(speeds))
+            if k > 0 and speeds[k] > best.predicted_speed:
+                drafter = self.lookup if name == "lookup" else self.suffix
+                best = self._model_free_choice(drafter, proposal, k, float(speeds[k]))
         if self.draft_model is not None:
-            speeds = self.draft_speeds(k_cap)
+            speeds = self.draft_speeds(k_cap, self.draft_model.unseen(state.committed), state.remaining)
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
                 branch = self._branch(float(speeds[k])) if self.max_branches > 1 else None
                 best = Choice(self.draft_model, k, gate=self._gate(float(speeds[k])), branch=branch,
                               predicted_speed=float(speeds[k]))
         return best if best.drafter is not None else plain
+
+    def _model_free_choice(self, drafter: Drafter, proposal: Draft, k: int, speed: float) -> Choice:
+        """The proposal's first k tokens; a drafter that knows its runner-up continuations may
+        widen them into a tree where the profile says the wider pass pays (the engine asks again)."""
+        if self.max_branches > 1 and proposal.confidence is not None:
+            return Choice(drafter, k, branch=self._branch(speed), predicted_speed=speed)
+        return Choice(drafter, k, Draft(proposal.tokens[:k], confidence=None if proposal.confidence is None
+                                        else proposal.confidence[:k]), predicted_speed=speed)
 
     def _gate(self, target_speed: float) -> Gate:
         """PipeSD's dual threshold, with thresholds from the cost model instead of constants.
@@ -220,16 +348,18 @@ class AdaptivePolicy:
         return add_sibling
 
     def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None:
-        if choice.drafter is not None:
+        if choice.drafter is not None and choice.drafter is self.draft_model:
             self.estimates[choice.drafter.name].update(n_drafted, n_accepted)
-        if self._shadow is not None and len(self._shadow) and choice.drafter is not self.lookup:
-            # What lookup would have scored: under greedy its tokens pass iff they equal the target's;
-            # under sampling a one-hot draft token x passes with probability p(x), the chance the
-            # emitted token is x. Only positions the round emitted can be judged.
-            judged = min(len(self._shadow), len(emitted))
-            match = self._shadow.tokens[:judged] == emitted[:judged]
-            n_match = judged if match.all() else int(np.argmin(match))
-            self.estimates["lookup"].update(judged, n_match)
+        # Model-free drafters learn from their shadow proposals alone (the drafted tokens are a
+        # prefix of them), so a round's draft is not counted twice; their estimates decay per round.
+        judged = self.shadows.observe(self._round_start, np.asarray(emitted))
+        for name in {name for name, *_ in judged}:
+            (self.calibration if name == "suffix" else self.estimates[name]).decay_step()
+        for name, draft, first, n_passed, failed in judged:
+            if draft.confidence is not None:
+                self.calibration.record(draft.confidence[first:], n_passed, failed)
+            else:
+                self.estimates[name].record(first, n_passed, failed)
 
 
 def resolve_mode(mode: str, has_draft_model: bool) -> str:

@@ -19,8 +19,8 @@ import numpy as np
 
 from edgespec.runtimes.base import Runtime
 
-PROFILE_VERSION = 1
-BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # verify pass sizes measured; others interpolate
+PROFILE_VERSION = 2
+BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
 
 
@@ -32,6 +32,7 @@ class CostProfile:
     draft_s: float | None = None        # one draft-model decode step (per drafted token)
     draft_catchup_s: float | None = None  # a two-token draft decode (after a fully accepted draft)
     lookup_s: float = 0.0               # one prompt-lookup proposal
+    suffix_s: float = 0.0               # one suffix-drafting proposal over a full default history
     key: dict = field(default_factory=dict)
     measured_in_s: float = 0.0
 
@@ -72,7 +73,7 @@ def _best_time(fn, repeats: int) -> float:
     return float(min(times))
 
 
-def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch: int = 9,
+def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch: int = 17,
                     repeats: int = 3, budget_s: float = 2.5) -> CostProfile:
     """Time the operations the policy weighs. Leaves both runtimes' KV empty.
 
@@ -99,11 +100,14 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
         return _best_time(step, reps)
 
     verify_s: dict[int, float] = {}
-    for n in [s for s in BATCH_SIZES if s <= max_batch] or [1]:
+    sizes = [s for s in BATCH_SIZES if s <= max_batch] or [1]
+    for n in sizes:
         spent = time.perf_counter() - t_start
         if spent > budget_s and len(verify_s) >= 3:
             break
         verify_s[n] = time_target(n, repeats if spent < budget_s / 2 else 1)
+    if sizes[-1] not in verify_s:  # the largest pass bounds auto's k: measure it even over budget
+        verify_s[sizes[-1]] = time_target(sizes[-1], 1)
 
     draft_s = catchup_s = None
     if draft is not None:
@@ -127,7 +131,14 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     history = rng.integers(100, 1000, size=2048).astype(np.int32)
     lookup, sampler = PromptLookupDrafter(), Sampler(SamplingParams(temperature=0), 0)
     lookup_s = _best_time(lambda: lookup.propose(history, 8, sampler), 5)
-    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, measured_in_s=time.perf_counter() - t_start)
+    from edgespec.suffix import DEFAULT_HISTORY_TOKENS, SuffixDrafter, SuffixHistory
+
+    past = SuffixHistory()
+    past.add(rng.integers(100, 1000, size=DEFAULT_HISTORY_TOKENS).astype(np.int32))
+    suffix = SuffixDrafter(past)
+    suffix_s = _best_time(lambda: suffix.propose(history, 16, sampler), 5)
+    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, suffix_s,
+                       measured_in_s=time.perf_counter() - t_start)
 
 
 # --- cache -----------------------------------------------------------------------------------

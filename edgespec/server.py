@@ -56,13 +56,13 @@ class ServerConfig:
 
 
 def model_id(target: str | None) -> str:
-    """The id clients name the model by: its catalog name (also for the cached file of a catalog
-    model), or else its file name without .gguf."""
+    """The id clients name the model by: its catalog or store name (also for the cached file of a
+    catalog model), or else its file name without .gguf."""
     from edgespec.models import catalog, store
 
     if target is None:
         return catalog.DEFAULT_MODEL
-    if target in catalog.names():
+    if target in catalog.names() or target.startswith(store.SOURCES):  # hf:, ollama:, lmstudio: names as given
         return target
     path = Path(target).expanduser().resolve()
     for entry in catalog.entries():

@@ -85,8 +85,16 @@ class ParallelEngine:
         self.slot_ctx = slot_ctx
         if slot_ctx * self.n_slots > target.n_ctx:  # then a full slot could not overflow the pool
             raise SlotsError(f"{self.n_slots} slots of {slot_ctx} tokens do not fit a pool of {target.n_ctx} cells")
-        self.engines = [Engine(target.sequence(i, slot_ctx), draft.sequence(i, slot_ctx) if draft else None)
-                        for i in range(self.n_slots)]
+        from edgespec.suffix import SuffixHistory
+
+        history = SuffixHistory()  # one for all slots: a request may copy from any earlier one's output
+        self.engines = [Engine(target.sequence(i, slot_ctx), draft.sequence(i, slot_ctx) if draft else None,
+                               history=history) for i in range(self.n_slots)]
+
+    def use_history(self, history) -> None:
+        """Every slot drafts (suffix) from, and adds to, this `SuffixHistory`."""
+        for engine in self.engines:
+            engine.use_history(history)
 
     @property
     def front(self) -> Engine:
@@ -341,7 +349,7 @@ class SlotScheduler:
 
     def _prefilled(self, slot: _Slot) -> None:
         state = slot.state
-        for drafter in slot.policy.drafters:
+        for drafter in slot.policy.prefilled:  # the others catch up when first used
             drafter.prepare(state.committed)
         slot.prefilling = False
         slot.t_decode = time.perf_counter()
@@ -430,6 +438,8 @@ class SlotScheduler:
         gen.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
                                       logprobs=state.logprobs if gen.config.logprobs is not None else None)
+        if not slot.prefilling:
+            slot.engine.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
         if self.prefix_cache is not None and finish != "cancelled" and not slot.prefilling:
             self.prefix_cache.store(slot.runtimes())
         self.counters[{"cancelled": "cancelled", "timeout": "timed_out"}.get(finish, "completed")] += 1

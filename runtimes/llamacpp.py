@@ -218,8 +218,22 @@ def dry_run_compute_buffers(path: str | os.PathLike, configs: Sequence[dict]) ->
     return results
 
 
+def _vocab_info(v, n_vocab: int) -> VocabInfo:
+    bos, eos = int(ll.llama_vocab_bos(v)), int(ll.llama_vocab_eos(v))
+    eog = frozenset(t for t in range(n_vocab) if ll.llama_vocab_is_eog(v, t))
+    return VocabInfo(
+        n_vocab=n_vocab,
+        vocab_type=_VOCAB_TYPES.get(int(ll.llama_vocab_type(v)), "unknown"),
+        bos=bos if bos >= 0 else None,
+        eos=eos if eos >= 0 else None,
+        add_bos=bool(ll.llama_vocab_get_add_bos(v)),
+        eog=eog,
+    )
+
+
 class VocabOnly:
-    """A model opened for its vocabulary alone (what the tokenizer costs in memory); `close()` frees it."""
+    """A model opened for its vocabulary alone (what the tokenizer costs in memory, no weights): enough
+    for `edgespec.vocab.vocab_difference` (`vocab`, `token_text`); `close()` frees it."""
 
     def __init__(self, path: str | os.PathLike):
         check_gguf_file(Path(path))
@@ -229,6 +243,18 @@ class VocabOnly:
         self._model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ModelFileError(f"llama.cpp could not read the vocabulary of {path}")
+        self._vocab_ptr = ll.llama_model_get_vocab(self._model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
+        self.vocab = _vocab_info(self._vocab_ptr, self.n_vocab)
+
+    def token_text(self, token: int) -> str:
+        return (ll.llama_vocab_get_text(self._vocab_ptr, token) or b"").decode("utf-8", errors="replace")
+
+    def __enter__(self) -> "VocabOnly":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._model:
@@ -316,17 +342,7 @@ class LlamaCppRuntime(TokenSequence):
     # -- vocabulary ---------------------------------------------------------------------------
 
     def _read_vocab(self) -> VocabInfo:
-        v = self._vocab_ptr
-        bos, eos = int(ll.llama_vocab_bos(v)), int(ll.llama_vocab_eos(v))
-        eog = frozenset(t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(v, t))
-        return VocabInfo(
-            n_vocab=self.n_vocab,
-            vocab_type=_VOCAB_TYPES.get(int(ll.llama_vocab_type(v)), "unknown"),
-            bos=bos if bos >= 0 else None,
-            eos=eos if eos >= 0 else None,
-            add_bos=bool(ll.llama_vocab_get_add_bos(v)),
-            eog=eog,
-        )
+        return _vocab_info(self._vocab_ptr, self.n_vocab)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
@@ -790,8 +806,10 @@ class LlamaCppSequence:
         self.n_vocab = owner.n_vocab
         self.n_batch = owner.n_batch
         self.n_threads = owner.n_threads
-        # one sequence, no tree branches; rows per pass as the owner's
-        self.options = replace(owner.options, n_seq_max=1, n_ctx=n_ctx)
+        # one sequence, no tree branches, and its share of the rows a pass may return
+        rows = owner.options.n_outputs_max
+        self.options = replace(owner.options, n_seq_max=1, n_ctx=n_ctx,
+                               n_outputs_max=max(1, rows // owner.n_seq) if rows else 0)
 
     @property
     def n_past(self) -> int:

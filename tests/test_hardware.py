@@ -427,9 +427,18 @@ def test_model_advice_follows_memory(here):
                                               jetson=None)) if a.topic == "models"]
         return a.settings
 
-    assert models_for(8 * gib)["target"] == "qwen2.5-coder-1.5b"
-    assert models_for(8 * gib)["draft"] == "qwen2.5-coder-0.5b"
-    assert models_for(1 * gib) == {**models_for(1 * gib), "target": "smollm2-135m", "draft": None, "mode": "lookup"}
+    from edgespec.models import pairs
+
+    # The largest recommended pair whose planner-predicted peak fits (models/pairs.json).
+    expected = {p.target.source: p.expected_bytes() for p in pairs.pairs()}
+    for budget in (8 * gib, 3 * gib, 1 * gib):
+        got = models_for(budget)
+        assert got["need_bytes"] <= budget and got["pull"] == [got["target"], got["draft"]]
+        assert got["need_bytes"] == max(v for v in expected.values() if v <= budget)
+    assert models_for(8 * gib)["target"] == "hf:Qwen/Qwen3-8B-GGUF:Q4_K_M"
+    assert models_for(int(2.05 * gib))["target"] == "qwen2.5-coder-1.5b"  # the catalog pair: catalog names
+    assert models_for(int(0.7 * gib)) == {**models_for(int(0.7 * gib)), "target": "smollm2-135m", "draft": None,
+                                          "mode": "lookup"}  # no pair fits: the smallest model with lookup
     assert models_for(100 * 1024**2) is None  # nothing fits: says so, recommends nothing
     assert models_for(8 * gib)["n_gpu_layers"] == 0
 

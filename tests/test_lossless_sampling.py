@@ -117,7 +117,8 @@ def engine_with(models, draft_kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_kind,mode", [("good_draft", "ar"), ("good_draft", "draft"),
                                              ("medium_draft", "draft"), ("bad_draft", "draft"),
-                                             ("good_draft", "lookup"), ("medium_draft", "auto"),
+                                             ("good_draft", "lookup"), ("good_draft", "suffix"),
+                                             ("medium_draft", "auto"),
                                              ("medium_draft", "trees")])
 def test_speculative_sampling_matches_the_target(models, joint, draft_kind, mode):
     branches = 4 if mode == "trees" else 1  # trees: auto with room for 3 sibling branches

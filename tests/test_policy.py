@@ -32,10 +32,14 @@ class _Named:
     def __init__(self, name):
         self.name = name
 
+    def unseen(self, context):  # a draft model that has seen everything (no catch-up to pay)
+        return 0
 
-def make_state(context, remaining=100):
-    return SimpleNamespace(committed=np.asarray(context, dtype=np.int32), remaining=remaining,
-                           sampler=Sampler(SamplingParams(temperature=0), 0))
+
+def make_state(context, remaining=100, n_prompt=0):
+    """A state past its first round (the first round is always plain decoding)."""
+    return SimpleNamespace(committed=np.asarray(context, dtype=np.int32), remaining=remaining, n=len(context),
+                           n_prompt=n_prompt, sampler=Sampler(SamplingParams(temperature=0), 0))
 
 
 def with_acceptance(policy, name, rate, rounds=30):
@@ -119,13 +123,87 @@ def test_gate_thresholds_follow_the_costs():
 
 def test_shadow_scoring_teaches_lookup_without_using_it():
     lookup = PromptLookupDrafter()
-    policy = AdaptivePolicy(linear_profile(), lookup, None)
+    policy = AdaptivePolicy(linear_profile(), lookup, None)  # linear costs: lookup is never drafted
     before = policy.estimates["lookup"].rates[0]
-    context = [4, 5, 6, 7, 4, 5]
+    context = [4, 5, 6, 7, 8, 9] * 2
     for _ in range(10):
         choice = policy.choose(make_state(context))
-        policy.observe(choice, len(choice.draft) if choice.draft else 0, 0, np.array([6, 7]))  # lookup was right
+        assert choice.drafter is None
+        policy.observe(choice, 0, 0, np.array(context[6:8]))  # plain decoding emitted what lookup proposed
+        context += context[6:8]
     assert policy.estimates["lookup"].rates[0] > before
+
+
+def test_shadow_proposals_are_judged_over_later_rounds():
+    from edgespec.drafters import Draft
+    from edgespec.policy import ShadowScorer
+
+    scorer = ShadowScorer()
+    scorer.add("lookup", Draft(np.array([1, 2, 3, 4, 5], dtype=np.int32)), start=10)
+    [(name, _, first, passed, failed)] = scorer.observe(10, np.array([1, 2]))  # right so far: still open
+    assert (name, first, passed, failed) == ("lookup", 0, 2, False)
+    [(_, _, first, passed, failed)] = scorer.observe(12, np.array([3, 9, 9]))  # wrong at its 4th token
+    assert (first, passed, failed) == (2, 1, True)
+    assert scorer.observe(15, np.array([4, 5])) == []                          # judged: gone
+    scorer.add("lookup", Draft(np.array([7, 8], dtype=np.int32)), start=15)
+    assert [j[2:] for j in scorer.observe(15, np.array([7, 8, 1]))] == [(0, 2, False)]  # all of it right
+    assert scorer.observe(18, np.array([7])) == []
+
+
+def _copy_with_edits(n_tokens=400, edit_every=8, seed=0):
+    """A document, and a copy of it where every `edit_every`-th token is changed: lookup is right
+    for edit_every - 2 tokens in a row (the one after an edit has no match to copy from)."""
+    rng = np.random.default_rng(seed)
+    document = rng.permutation(np.arange(1000, 1000 + n_tokens)).astype(np.int32)
+    copy = document.copy()
+    copy[::edit_every] = np.arange(5000, 5000 + len(copy[::edit_every]))  # fresh tokens: edits
+    return document, copy
+
+
+def test_auto_learns_long_lookup_drafts_it_has_not_drafted_yet():
+    """Lookup right for 6 tokens in a row, on this CPU's cost curve (SmolLM2's): auto must find k >= 4
+    within a few rounds, which needs acceptance seen at positions it has not drafted."""
+    profile = CostProfile({1: 6.3 * MS, 2: 12.8 * MS, 4: 18 * MS, 8: 28 * MS, 12: 38 * MS}, None, None, 0.02 * MS)
+    lookup = PromptLookupDrafter()
+    policy = AdaptivePolicy(profile, lookup, None, k_max=8)
+    document, truth = _copy_with_edits(edit_every=8)
+    context = list(document)
+    n_prompt, chosen = len(context), []
+    while len(context) - n_prompt < 120:
+        state = make_state(context, remaining=1000, n_prompt=n_prompt)
+        choice = policy.choose(state)
+        at = len(context) - n_prompt
+        drafted = choice.draft.tokens if choice.draft is not None else np.zeros(0, dtype=np.int32)
+        want = truth[at:at + len(drafted) + 1]
+        n_ok = int(np.argmin(np.append(drafted == want[:len(drafted)], False)))
+        emitted = np.append(drafted[:n_ok], want[n_ok])  # a greedy target that writes `truth`
+        policy.observe(choice, len(drafted), n_ok, emitted)
+        context += emitted.tolist()
+        chosen.append(choice.k)
+    assert max(chosen[:12]) >= 4, chosen
+    assert np.median([k for k in chosen[len(chosen) // 2:] if k]) >= 4, chosen
+
+
+def test_the_first_round_is_plain_so_ttft_matches_plain_decoding():
+    policy = AdaptivePolicy(flat_profile(), PromptLookupDrafter(), None, k_max=8)
+    context = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert policy.choose(make_state(context, n_prompt=len(context))).k == 0     # first round
+    policy.estimates["lookup"].hits[:] = 0.95 * policy.estimates["lookup"].trials
+    assert policy.choose(make_state(context + [8], n_prompt=len(context))).k > 0  # later rounds speculate
+
+
+def test_the_draft_models_catch_up_is_weighed():
+    """A draft model that has not seen a long prompt pays its prefill first: with few tokens left it
+    does not pay, with many it does (flat, GPU-like costs)."""
+
+    class Unseen(_Named):
+        def unseen(self, context):
+            return 2000
+
+    policy = AdaptivePolicy(flat_profile(step=10 * MS, draft=2 * MS), None, Unseen("draft"), k_max=8)
+    with_acceptance(policy, "draft", 0.9)
+    assert policy.choose(make_state([1, 2, 3], remaining=4)).drafter is None
+    assert policy.choose(make_state([1, 2, 3], remaining=2000)).drafter is not None
 
 
 # --- auto through the engine ------------------------------------------------------------------
@@ -148,6 +226,7 @@ def test_auto_with_a_gpu_like_profile_speculates_losslessly(gpu_like_engine, smo
     for prompt in PROMPTS[:10]:
         ids = gpu_like_engine.prompt_tokens(prompt)
         plain = gpu_like_engine.generate_tokens(ids, GenerationConfig(max_tokens=32, temperature=0, mode="ar"))
+        gpu_like_engine.history.clear()  # or suffix drafting copies the plain run's answer: this tests the draft model
         auto = gpu_like_engine.generate_tokens(ids, GenerationConfig(max_tokens=32, temperature=0, mode="auto"))
         cmp = compare_greedy(reference, ids, plain.tokens, auto.tokens)
         assert cmp.near_tie, (prompt, cmp)

@@ -254,6 +254,7 @@ def write_tiny_llama(
     perturb_scale: float = 0.0,
     name: str | None = None,
     rename_tokens: dict[int, str] | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write a tiny llama-architecture GGUF (f32) to ``path`` and return the path.
 
@@ -266,7 +267,9 @@ def write_tiny_llama(
     0.7 to 1.4 times) to the logits of the CONTROL/UNUSED tokens, so that by default the model never
     emits BOS/EOS/chat tokens on its own; ``text_bias`` likewise favours tokens that spell printable
     ASCII (0 by default; 4 makes output look more like text).  ``rename_tokens`` replaces the text of
-    some tokens (for vocabulary-mismatch tests).
+    some tokens (for vocabulary-mismatch tests).  ``split_max_tensors=N`` writes a split model
+    (``STEM-00001-of-0000K.gguf`` ..., at most N tensors per shard, as ``gguf-split`` does) and returns
+    the first shard's path.
     """
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must be divisible by n_head, and n_head by n_head_kv")
@@ -293,7 +296,7 @@ def write_tiny_llama(
     if name is None:
         name = f"tiny-llama-s{seed}" if perturb_from is None else f"tiny-llama-s{perturb_from}-p{perturb_scale:g}-s{seed}"
 
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, "llama", split_max_tensors=split_max_tensors)
     writer.add_name(name)
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     writer.add_vocab_size(n_vocab)
@@ -327,6 +330,9 @@ def write_tiny_llama(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors:
+        shards = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+        return shards[0] if shards else path
     return path
 
 

@@ -1,0 +1,214 @@
+"""Suffix drafting across requests (SuffixDecoding, Oliaro et al. 2024; vLLM's `suffix` method).
+
+The drafter matches the longest suffix of the context against everything the model has produced:
+this request's prompt and text so far, and the outputs of earlier requests kept in a bounded
+`SuffixHistory`. Among the occurrences of that suffix it follows the most frequent continuation,
+token by token, as a walk down a suffix tree would, and gives each token a confidence: the share of
+the occurrences still matching that go on with it. Auto weighs that confidence, calibrated against
+what the target accepts, like any drafter's (policy.ConfidenceCalibration). The runner-up
+continuation at a position can become a sibling leaf of a token tree where the cost profile says
+a wider pass pays.
+
+The walk is the suffix tree's, computed on the fly: the occurrences are found by one vectorised
+scan, so there is no index to build, update or bound. Memory: the history's int32 tokens (4 bytes
+each, `limit` at most) plus one separator per stored output, and a transient copy of history plus
+context per proposal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.drafters import EMPTY_DRAFT, Draft, with_siblings
+from edgespec.errors import EdgespecError
+from edgespec.sampling import Sampler
+
+DEFAULT_HISTORY_TOKENS = 1 << 16   # 256 KiB of int32 tokens
+MAX_MATCH = 32                     # longest suffix matched: longer ones add cost, not accuracy
+SEPARATOR = -1                     # between stored outputs: no match or continuation crosses it
+FORMAT = "edgespec-suffix-history/1"
+_MAGIC = b"EDGESPEC-SUFFIX\n"
+
+
+class SuffixHistory:
+    """The outputs of earlier requests, oldest dropped first once `limit` tokens are held.
+
+    `key` names the vocabulary the token ids belong to (vocabulary_key); a saved history is only
+    loaded for the same key.
+    """
+
+    def __init__(self, limit: int = DEFAULT_HISTORY_TOKENS, key: str = ""):
+        if limit < 1:
+            raise EdgespecError(f"the suffix history limit must be at least 1 token, got {limit}; "
+                                f"use --mode lookup to draft without a history")
+        self.limit = limit
+        self.key = key
+        self._lengths: deque[int] = deque()  # of each stored output, oldest first
+        self._corpus = np.zeros(0, dtype=np.int32)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every stored output, each followed by SEPARATOR (int32)."""
+        return self._corpus
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self._lengths)
+
+    def __len__(self) -> int:
+        return len(self._corpus) - len(self._lengths)
+
+    def outputs(self) -> list[np.ndarray]:
+        ends = np.cumsum(np.asarray(self._lengths, dtype=np.int64) + 1)
+        return [self._corpus[end - n - 1:end - 1] for n, end in zip(self._lengths, ends)]
+
+    def clear(self) -> None:
+        self._lengths.clear()
+        self._corpus = np.zeros(0, dtype=np.int32)
+
+    def add(self, tokens) -> None:
+        tokens = np.asarray(tokens, dtype=np.int32)[-self.limit:]
+        if len(tokens) < 2:  # nothing to learn a continuation from
+            return
+        held, drop = len(self), 0
+        while held + len(tokens) > self.limit:  # the oldest outputs make room
+            n = self._lengths.popleft()
+            held, drop = held - n, drop + n + 1
+        self._lengths.append(len(tokens))
+        self._corpus = np.concatenate([self._corpus[drop:], tokens, [SEPARATOR]]).astype(np.int32)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically: the file is complete or absent."""
+        path = Path(path)
+        header = json.dumps({"format": FORMAT, "key": self.key, "limit": self.limit,
+                             "lengths": list(self._lengths)}).encode()
+        tmp = path.with_name(f".{path.name}.partial")
+        try:
+            with tmp.open("wb") as f:
+                f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
+                for output in self.outputs():
+                    f.write(output.astype("<i4").tobytes())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Add the outputs saved at `path` (refused, with nothing changed, if corrupt or for another vocabulary)."""
+        path = Path(path)
+        what = f"the suffix history {path}"
+        try:
+            raw = path.read_bytes()
+            if not raw.startswith(_MAGIC):
+                raise ValueError("not an edgespec suffix history")
+            (n,) = struct.unpack_from("<Q", raw, len(_MAGIC))
+            start = len(_MAGIC) + 8
+            header = json.loads(raw[start:start + n])
+            lengths = [int(x) for x in header["lengths"]]
+            body = np.frombuffer(raw, dtype="<i4", offset=start + n)
+            if header.get("format") != FORMAT or len(body) != sum(lengths) or min(lengths, default=2) < 2:
+                raise ValueError("its header does not match its contents")
+        except OSError as e:
+            raise EdgespecError(f"cannot read {what}: {e.strerror or e}") from e
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            raise EdgespecError(f"{what} is corrupt ({e}); delete it or pass another --history-file") from e
+        if self.key and header.get("key") != self.key:
+            raise EdgespecError(f"{what} was saved for another vocabulary; use it with the model that made it "
+                                f"or pass another --history-file")
+        for output in np.split(body.astype(np.int32), np.cumsum(lengths)[:-1]) if lengths else []:
+            self.add(output)
+
+
+def vocabulary_key(runtime) -> str:
+    """A short identity of a runtime's vocabulary: token ids mean the same text under the same key."""
+    vocab = runtime.vocab
+    h = hashlib.sha256(f"{vocab.vocab_type}:{vocab.n_vocab}".encode())
+    for token in range(0, vocab.n_vocab, max(1, vocab.n_vocab // 512)):  # a strided sample suffices
+        h.update(runtime.token_bytes(token) + b"\0")
+    return h.hexdigest()[:16]
+
+
+class SuffixDrafter:
+    """Proposes the most frequent continuation of the longest suffix match in history + context.
+
+    `propose` returns a chain with a confidence per token (conditional on the tokens before it);
+    with `branch`, the runner-up continuation at a position may be added as a sibling leaf.
+    `remember(tokens)` stores a finished request's output for later requests.
+    """
+
+    name = "suffix"
+
+    def __init__(self, history: SuffixHistory, max_match: int = MAX_MATCH, min_reach: float = 0.1):
+        self.history = history
+        self.max_match = max_match
+        self.min_reach = min_reach  # stop where the path's chance (the product of confidences) falls below
+
+    def prepare(self, context: np.ndarray) -> None:
+        pass
+
+    def remember(self, tokens: np.ndarray) -> None:
+        self.history.add(tokens)
+
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler | None = None, gate=None,
+                branch=None) -> Draft:
+        if k < 1 or len(context) < 1:
+            return EMPTY_DRAFT
+        corpus = np.concatenate([self.history.tokens, np.asarray(context, dtype=np.int32)])
+        ends = self._longest_match(corpus, np.asarray(context[-self.max_match:], dtype=np.int32))
+        if ends.size == 0:
+            return EMPTY_DRAFT
+        tokens, confidence, siblings = [], [], []
+        reach = 1.0
+        following = ends + 1  # where each occurrence's continuation stands
+        for i in range(k):
+            following = following[following < len(corpus)]
+            nxt = corpus[following]
+            live = nxt != SEPARATOR
+            if not live.any():
+                break
+            values, counts = np.unique(nxt[live], return_counts=True)
+            order = np.lexsort((-self._latest(values, nxt, following), -counts))  # most frequent, then latest
+            best = int(values[order[0]])
+            p = float(counts[order[0]]) / len(nxt)
+            if reach * p < self.min_reach:
+                break
+            if branch is not None and len(order) > 1:
+                if branch(len(tokens) + 1 + len(siblings), float(counts[order[1]]) / len(nxt), reach):
+                    siblings.append((i, int(values[order[1]])))
+            tokens.append(best)
+            confidence.append(p)
+            reach *= p
+            if gate is not None and i + 1 < k and not gate(i + 1, p, reach):
+                break
+            following = following[nxt == best] + 1
+        chain = np.asarray(tokens, dtype=np.int32)
+        if siblings:
+            return with_siblings(chain, siblings)
+        return Draft(chain, confidence=np.asarray(confidence))
+
+    def _longest_match(self, corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+        """End positions of the longest suffix of `pattern` found in corpus[:-1] (so each has a
+        continuation), extending candidate matches leftward one token at a time."""
+        ends = np.flatnonzero(corpus[:-1] == pattern[-1])
+        for length in range(1, len(pattern)):
+            before = ends - length
+            ok = before >= 0
+            ok[ok] = corpus[before[ok]] == pattern[-1 - length]
+            if not ok.any():
+                break
+            ends = ends[ok]
+        return ends
+
+    @staticmethod
+    def _latest(values: np.ndarray, nxt: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """For each candidate token, the last position it follows at (recency breaks count ties)."""
+        latest = np.full(len(values), -1, dtype=np.int64)
+        np.maximum.at(latest, np.searchsorted(values, nxt[nxt != SEPARATOR]), positions[nxt != SEPARATOR])
+        return latest

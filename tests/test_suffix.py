@@ -1,0 +1,199 @@
+"""Suffix drafting across requests: the drafter's walk, the bounded history and its file, auto's use
+of its confidence, and losslessness through the real engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import load_runtime
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.errors import EdgespecError
+from edgespec.policy import AdaptivePolicy, ConfidenceCalibration
+from edgespec.suffix import SEPARATOR, SuffixDrafter, SuffixHistory
+from lossless import compare_greedy
+from test_policy import MS, make_state
+
+
+def drafter_with(*outputs, limit=1000):
+    history = SuffixHistory(limit)
+    for output in outputs:
+        history.add(output)
+    return SuffixDrafter(history)
+
+
+def test_the_most_frequent_continuation_is_proposed_with_its_share_as_confidence():
+    drafter = drafter_with([1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [1, 2, 3, 4, 6])
+    draft = drafter.propose(np.array([7, 1, 2, 3]), 4)
+    assert draft.tokens.tolist()[:2] == [4, 6]  # 4 follows twice in three; then 5 or 6 once each: the latest
+    assert draft.confidence.tolist()[:2] == pytest.approx([2 / 3, 1 / 2])
+
+
+def test_the_longest_match_decides_and_outputs_do_not_run_into_each_other():
+    drafter = drafter_with([9, 1, 2, 3, 7, 7], [5, 1, 2, 3, 8])
+    draft = drafter.propose(np.array([5, 1, 2, 3]), 4)
+    assert draft.tokens.tolist() == [8]  # the 4-token match; its output ends there
+    assert draft.confidence.tolist() == [1.0]
+    assert len(drafter.propose(np.array([42]), 4)) == 0  # nothing matches
+
+
+def test_the_current_context_is_searched_too():
+    drafter = drafter_with()
+    draft = drafter.propose(np.array([3, 4, 5, 6, 0, 3, 4]), 3)
+    assert draft.tokens.tolist() == [5, 6, 0]
+
+
+def test_the_walk_stops_where_the_path_becomes_unlikely():
+    outputs = [[1, 2, t] for t in range(10, 30)]  # after "1 2": twenty different tokens, once each
+    drafter = drafter_with(*outputs)
+    assert len(drafter.propose(np.array([1, 2]), 4)) == 0  # best continuation has 1/20 < min_reach
+
+
+def test_runner_up_continuations_become_sibling_leaves():
+    drafter = drafter_with([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6])
+    asked = []
+
+    def branch(n_nodes, p_alt, reach):
+        asked.append((n_nodes, round(p_alt, 3), reach))
+        return True
+
+    draft = drafter.propose(np.array([1, 2]), 2, branch=branch)
+    assert draft.parents is not None
+    assert draft.tokens.tolist() == [3, 5, 4] and draft.parents.tolist() == [0, 0, 1]
+    assert asked[0] == (1, round(1 / 3, 3), 1.0)
+
+
+def test_history_is_bounded_and_drops_the_oldest_output():
+    history = SuffixHistory(limit=10)
+    for start in (0, 100, 200):
+        history.add(np.arange(start, start + 4))
+    history.add(np.arange(300, 304))
+    assert len(history) == 8 and history.n_outputs == 2
+    assert history.tokens.tolist() == [200, 201, 202, 203, SEPARATOR, 300, 301, 302, 303, SEPARATOR]
+    with pytest.raises(EdgespecError, match="at least 1 token"):
+        SuffixHistory(limit=0)
+
+
+def test_history_file_round_trip_and_refusals(tmp_path):
+    history = SuffixHistory(limit=100, key="vocab-a")
+    history.add([1, 2, 3])
+    history.add([4, 5, 6, 7])
+    path = history.save(tmp_path / "history.bin")
+    again = SuffixHistory(limit=100, key="vocab-a")
+    again.load(path)
+    assert again.tokens.tolist() == history.tokens.tolist()
+
+    with pytest.raises(EdgespecError, match="another vocabulary"):
+        SuffixHistory(key="vocab-b").load(path)
+    corrupt = tmp_path / "corrupt.bin"
+    corrupt.write_bytes(path.read_bytes()[:-5])
+    untouched = SuffixHistory(key="vocab-a")
+    with pytest.raises(EdgespecError, match="corrupt"):
+        untouched.load(corrupt)
+    assert len(untouched) == 0
+    (tmp_path / "junk.bin").write_bytes(b"not a history at all")
+    with pytest.raises(EdgespecError, match="corrupt"):
+        untouched.load(tmp_path / "junk.bin")
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_auto_weighs_suffix_confidence_as_calibrated_by_the_target():
+    calibration = ConfidenceCalibration()
+    confident = np.array([0.99, 0.99, 0.99])
+    before = calibration.rates(confident)[0]
+    for _ in range(20):  # the target keeps rejecting the first token
+        calibration.decay_step()
+        calibration.record(confident, 0, True)
+    assert calibration.rates(confident)[0] < before / 3
+
+    from test_policy import flat_profile
+
+    drafter = drafter_with([1, 2, 3, 4, 5, 6, 7, 8])
+    policy = AdaptivePolicy(flat_profile(), None, None, k_max=6, suffix=drafter)
+    choice = policy.choose(make_state([9, 1, 2, 3]))
+    assert choice.drafter is drafter and choice.k == 5  # the whole remembered continuation
+    for _ in range(30):
+        policy.observe(choice, choice.k, 0, np.array([77]))  # and the target never takes it
+        choice = policy.choose(make_state([9, 1, 2, 3]))
+    assert choice.drafter is None
+
+
+# --- through the engine ---------------------------------------------------------------------------
+
+STRUCTURED = [
+    "Return a JSON object with the keys name, age and city for: Alice is 31 and lives in Paris.",
+    "Return a JSON object with the keys name, age and city for: Bob is 45 and lives in Oslo.",
+    "Return a JSON object with the keys name, age and city for: Chen is 28 and lives in Lima.",
+]
+
+
+def test_suffix_mode_is_greedy_lossless_and_drafts_from_earlier_requests(smollm2_path):
+    reference = load_runtime(smollm2_path)
+    with Engine(load_runtime(smollm2_path)) as engine:
+        plain = []
+        for prompt in STRUCTURED:  # plain outputs first, so the history holds their outputs too
+            ids = engine.prompt_tokens(prompt)
+            plain.append(engine.generate_tokens(ids, GenerationConfig(max_tokens=40, temperature=0, mode="ar")))
+        engine.history.clear()  # forget them: start afresh
+        accepted = []
+        for prompt, expected in zip(STRUCTURED, plain):
+            ids = engine.prompt_tokens(prompt)
+            result = engine.generate_tokens(ids, GenerationConfig(max_tokens=40, temperature=0, mode="suffix"))
+            cmp = compare_greedy(reference, ids, expected.tokens, result.tokens)
+            assert cmp.near_tie, (prompt, cmp)
+            accepted.append(result.stats.accepted)
+        assert engine.history.n_outputs == 3
+    reference.close()
+    assert accepted[2] > accepted[0]  # later requests draft from the earlier ones' outputs
+
+
+def test_cli_refuses_a_zero_history_limit_and_a_corrupt_history_file(tmp_path, smollm2_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", "hi", "--target", str(smollm2_path),
+                               "-n", "4", *args], capture_output=True, text=True, timeout=120)
+
+    zero = run("--mode", "suffix", "--history-limit", "0")
+    assert zero.returncode == 2 and "history limit" in zero.stderr and "Traceback" not in zero.stderr
+    assert len(zero.stderr.strip().splitlines()) == 1
+    bad = tmp_path / "history.bin"
+    bad.write_bytes(b"garbage")
+    corrupt = run("--mode", "suffix", "--history-file", str(bad))
+    assert corrupt.returncode == 2 and "corrupt" in corrupt.stderr and "Traceback" not in corrupt.stderr
+    assert bad.read_bytes() == b"garbage"  # left as it was
+
+    path = tmp_path / "kept.bin"
+    first = run("--mode", "suffix", "--history-file", str(path), "--json", "--temperature", "0")
+    assert first.returncode == 0, first.stderr
+    saved = SuffixHistory()
+    saved.load(path)
+    assert saved.n_outputs == 1 and saved.tokens[:-1].tolist() == json.loads(first.stdout)["tokens"]
+
+
+def test_suffix_trees_where_a_wide_pass_is_cheap_stay_lossless(smollm2_path, smollm2_draft):
+    """With a flat (GPU-like) cost profile and room for branches, auto widens suffix proposals into
+    trees (the runner-up continuation of earlier outputs as a sibling); output stays the target's."""
+    from test_policy import flat_profile
+
+    reference = load_runtime(smollm2_path)
+    with Engine(load_runtime(smollm2_path, n_seq_max=4), load_runtime(smollm2_draft)) as engine:
+        engine._profile = flat_profile(draft=50 * MS)  # a costly draft: suffix is what pays
+        plain = [engine.generate_tokens(engine.prompt_tokens(p), GenerationConfig(max_tokens=32, temperature=0,
+                                                                                   mode="ar")) for p in STRUCTURED]
+        tree_rounds = 0
+        for prompt, expected in zip(STRUCTURED, plain):
+            engine.history.clear()
+            for other in plain:
+                if other is not expected:
+                    engine.history.add(other.tokens)
+            ids = engine.prompt_tokens(prompt)
+            result = engine.generate_tokens(ids, GenerationConfig(max_tokens=32, temperature=0, mode="auto"))
+            cmp = compare_greedy(reference, ids, expected.tokens, result.tokens)
+            assert cmp.near_tie, (prompt, cmp)
+            tree_rounds += result.stats.tree_rounds
+            assert not any(key.startswith("draft:") for key in result.stats.chosen), result.stats.chosen
+    reference.close()
+    assert tree_rounds > 0
