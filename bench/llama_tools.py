@@ -2,7 +2,7 @@
 
     python -m edgespec.bench.llama_tools            # build (once) and print the bin folder
 
-Benches race edgespec against `llama-bench`, `llama-cli`, `llama-server`, `llama-speculative-simple` and
+Benches race edgespec against `llama-bench`, `llama-completion` (the non-interactive CLI), `llama-server`, `llama-speculative-simple` and
 `llama-lookup` built from exactly the llama.cpp that edgespec runs through llama-cpp-python, with the same
 CPU flags (AMX off, as scripts/install.sh builds it; see the README). The sdist comes from the package
 registry through `pip download`; the build is cached under ~/.cache/edgespec/llama-tools/<key>/bin, keyed
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
-TOOLS = ("llama-bench", "llama-cli", "llama-server", "llama-speculative-simple", "llama-lookup")
+TOOLS = ("llama-bench", "llama-completion", "llama-server", "llama-speculative-simple", "llama-lookup")
 NO_AMX = "-U__AMX_INT8__ -U__AMX_TILE__ -U__AMX_BF16__"  # as scripts/install.sh: AMX matmul crashes here
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
@@ -34,18 +34,18 @@ def tools_dir() -> Path:
     return base / f"{LLAMA_CPP_PYTHON}-{key}" / "bin"
 
 
-def ensure_tools(log=sys.stderr) -> Path:
-    """The folder holding every tool in TOOLS, building them first if the cache lacks one."""
+def ensure_tools(needed: tuple[str, ...] = TOOLS, log=sys.stderr) -> Path:
+    """The folder holding the `needed` tools, building all of TOOLS first if the cache lacks one."""
     bin_dir = tools_dir()
-    if all((bin_dir / t).is_file() for t in TOOLS):
+    if all((bin_dir / t).is_file() for t in needed):
         return bin_dir
     if shutil.which("cmake") is None:
         raise RuntimeError("building llama.cpp's tools needs cmake (apt-get install cmake)")
     with tempfile.TemporaryDirectory(prefix="llama-tools-") as tmp:
         tmp = Path(tmp)
         print(f"fetching the llama-cpp-python {LLAMA_CPP_PYTHON} sdist", file=log)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        "--no-build-isolation", "-d", str(tmp), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-python",
+                        "-d", str(tmp), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
                        check=True)
         sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(sdist) as tar:

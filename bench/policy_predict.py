@@ -7,6 +7,11 @@ a discrete GPU for small models. The policy's own model (E(k)/T(k)) then says wh
 k it would pick and what speed-up over plain decoding that implies.
 
     python -m edgespec.bench.policy_predict [--models smollm2|qwen|all] [--max-tokens 64]
+    python -m edgespec.bench.policy_predict --models qwen --profile bench/gpu/out/profile-qwen2.5-1.5b.json
+
+`--profile` takes the costs from a profile measured elsewhere (`edgespec profile --json`, as
+bench/gpu/run.py writes it on a GPU) instead of the assumed GPU-like one: still a prediction for
+that machine, from its measured costs and the acceptance measured here.
 """
 
 from __future__ import annotations
@@ -63,16 +68,24 @@ def conditional_rates(drafted: np.ndarray, accepted: np.ndarray) -> np.ndarray:
     return np.where(reached > 0, accepted / np.maximum(reached, 1), 0.0)
 
 
-def predict(rates: dict[str, np.ndarray]) -> dict:
-    """The policy's choice and predicted speed-up for each drafter on the GPU-like profile."""
-    profile = gpu_like_profile()
+def load_profile(path: str) -> CostProfile:
+    """A profile from `edgespec profile --json` (its extra `curve` key, if any, is not needed here)."""
+    d = json.loads(Path(path).read_text())
+    fields = {k: d[k] for k in ("verify_s", "draft_s", "draft_catchup_s", "lookup_s", "key", "measured_in_s") if k in d}
+    return CostProfile.from_dict(fields)
+
+
+def predict(rates: dict[str, np.ndarray], profile: CostProfile | None = None) -> dict:
+    """The policy's choice and predicted speed-up for each drafter on `profile` (default: GPU-like)."""
+    profile = profile or gpu_like_profile()
     out = {}
     for name, r in rates.items():
         policy = AdaptivePolicy(profile, None, _Named("draft"), k_max=8) if name == "draft" else \
             AdaptivePolicy(profile, PromptLookupDrafter(), None, k_max=8)
         est = policy.estimates[name]
-        est.hits[:] = r * est.trials
-        speeds = policy.draft_speeds(8) if name == "draft" else policy.lookup_speeds(8)
+        k_max = policy.k_max  # a measured profile may time fewer pass sizes than 9
+        est.hits[:] = r[:k_max] * est.trials
+        speeds = policy.draft_speeds(k_max) if name == "draft" else policy.lookup_speeds(k_max)
         k = int(np.argmax(speeds))
         out[name] = {"per_position_acceptance": [round(float(x), 3) for x in r], "chosen_k": k,
                      "predicted_speedup_vs_plain": round(float(speeds[k] / speeds[0]), 2),
@@ -86,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--out", default="bench/out/policy_predict.json")
+    parser.add_argument("--profile", default=None, help="costs from `edgespec profile --json` of another machine")
     args = parser.parse_args(argv)
 
     from edgespec.bench.run import load_prompts, smollm2_draft
@@ -96,12 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append(("smollm2-135m", "smollm2-135m", str(smollm2_draft())))
     if args.models in ("qwen", "all"):
         pairs.append(("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
+    measured = load_profile(args.profile) if args.profile else None
     report = {"note": "PREDICTION on a recorded GPU-like profile (verify cost flat in k); acceptance measured "
                       "on this machine", "profile": GPU_LIKE, "models": {}}
+    if measured is not None:
+        report.update(note=f"PREDICTION with costs measured on {measured.key.get('device', '?')} ({args.profile}); "
+                           "acceptance measured on this machine", profile=measured.to_dict())
     for label, target, draft in pairs:
         with Engine.load(target, draft, n_ctx=4096) as engine:
             rates = {mode: measured_acceptance(engine, prompts, args.max_tokens, mode) for mode in ("draft", "lookup")}
-        report["models"][label] = predict(rates)
+        report["models"][label] = predict(rates, measured)
         print(label, json.dumps(report["models"][label]), file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

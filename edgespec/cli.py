@@ -5,6 +5,7 @@ Errors a user can cause are one line on stderr and exit status 2; `--debug` show
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from contextlib import contextmanager
@@ -216,17 +217,30 @@ def profile(
     threads: int = THREADS,
     gpu_layers: int = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: detected]"),
     refresh: bool = typer.Option(False, "--refresh", help="measure again even if a cached profile exists"),
+    curve: int = typer.Option(0, "--curve", help="also time every verify pass of 1..N tokens (N = k + 1; 0 = off)"),
+    tree_widths: str = typer.Option("1,2,3,4", "--tree-widths", help="with --curve: token-tree widths to time "
+                                    "(trees of 4, 8, 16 nodes; widths > 1 need --draft)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's own log"),
 ) -> None:
     """Measure (or show the cached) costs that `--mode auto` weighs: verify pass by size, draft step, lookup."""
     import json
 
+    try:
+        widths = tuple(sorted({int(w) for w in tree_widths.split(",") if w.strip()}))
+    except ValueError:
+        raise EdgespecError(f"--tree-widths takes whole numbers like 1,2,4, not {tree_widths!r}") from None
+    if curve < 0 or curve > 512 or any(w < 1 for w in widths):
+        raise EdgespecError("--curve must be between 0 and 512 and --tree-widths at least 1")
     with load_engine(target, draft, "auto", ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=None,
                      cache_type_k="f16", cache_type_v="f16", verbose=verbose) as engine:
         prof = engine.cost_profile(refresh=refresh)
+        if curve:
+            from edgespec.costcurve import measure_curve
+
+            measured = measure_curve(engine.target, max_batch=curve, tree_widths=widths)
     if as_json:
-        typer.echo(json.dumps(prof.to_dict()))
+        typer.echo(json.dumps({**prof.to_dict(), **({"curve": measured} if curve else {})}))
         return
     plain = prof.verify(1)
     typer.echo(f"target verify pass (measured in {prof.measured_in_s:.1f}s; plain decoding {1 / plain:.1f} tok/s):")
@@ -235,6 +249,14 @@ def profile(
     if prof.draft_s is not None:
         typer.echo(f"draft step: {prof.draft_s * 1000:.2f} ms ({prof.draft_s / plain:.2f} x a target step)")
     typer.echo(f"lookup proposal: {prof.lookup_s * 1e6:.0f} us")
+    if curve:
+        typer.echo(f"verify curve (measured in {measured['measured_in_s']:.1f}s), x one step: " + ", ".join(
+            f"{n}: {r:.2f}" for n, r in measured["verify_steps"].items()))
+        for width, sizes in measured["tree_vs_chain"].items():
+            typer.echo(f"  tree width {width}, x a chain of as many nodes: "
+                       + ", ".join(f"{n} nodes {r:.2f}" for n, r in sizes.items()))
+        for note in measured["skipped"]:
+            typer.echo(f"  skipped: {note}")
 
 
 # --- edgespec models: the catalog and the local model store ----------------------------------
@@ -500,6 +522,12 @@ def serve(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show llama.cpp's log and every request"),
     history_limit: int = HISTORY_LIMIT,
     history_file: str = HISTORY_FILE,
+    on_ray: bool = typer.Option(False, "--ray", help="deploy on Ray Serve, one engine per replica (docs/scale-out.md; "
+                                "pip install 'edgespec[ray]')"),
+    replicas: int = typer.Option(None, "--replicas", help="--ray: replicas to run [default: 1]"),
+    autoscale: str = typer.Option(None, "--autoscale", help="--ray: MIN,MAX replicas, scaled by Ray Serve on load"),
+    ray_address: str = typer.Option(None, "--ray-address", help="--ray: an existing Ray cluster (HOST:PORT of its head) "
+                                    "[default: start a local Ray instance]"),
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
     or with --verifier the target of cloud-edge speculation."""
@@ -508,34 +536,53 @@ def serve(
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
     port = port if port is not None else (8765 if as_verifier else 8000)
-    check_bind(host, port, api_key)  # before minutes of model loading
+    ray_options = _ray_options(on_ray, replicas, autoscale, ray_address, threads, verbose)
+    if ray_options is not None:
+        threads = threads or 1  # replicas share the node's cores: one thread each unless told
+    if ray_options is None or ray_options.address is None or not api_key:
+        check_bind(host, port, api_key)  # before minutes of model loading (the port: where it is local)
     if as_verifier:
         if runtime != "llamacpp":
             raise EdgespecError("serve --verifier runs llama.cpp (one KV sequence per session); drop --runtime")
         if draft or budget or gpu_budget:
             raise EdgespecError(f"serve --verifier takes no {'--draft' if draft else '--budget'} (the edge drafts; the "
                                 "verifier's memory is --max-sessions x --session-ctx)")
+        if parallel != 1:
+            raise EdgespecError("the verifier already verifies every session with work in one batched pass, one "
+                                "sequence per session: set how many with --max-sessions, not --parallel")
         _serve_verifier(target, api_key, host, port, ssl_certfile, ssl_keyfile, max_sessions=max_sessions,
                         session_ctx=session_ctx, idle_timeout=idle_timeout, rate=rate, batch=not no_batch,
-                        threads=threads, gpu_layers=gpu_layers, verbose=verbose)
+                        threads=threads, gpu_layers=gpu_layers, verbose=verbose, ray_options=ray_options)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
     history = _history(history_limit)
-    if parallel != 1:
-        engine = _load_parallel(target, auto_draft_option(target, draft), parallel, ctx=ctx, threads=threads,
-                                gpu_layers=gpu_layers, flash_attn=flash_attn, cache_type_k=cache_type_k,
-                                cache_type_v=cache_type_v, verbose=verbose, budget=budget, gpu_budget=gpu_budget,
-                                runtime=runtime, reserve_bytes=prefix_bytes, draft_max=draft_max)
+    config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
+                          api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
+                          max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
+                          prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
+    if parallel != 1:  # N slots in one context, batched (each Ray replica holds its own N)
+        load = functools.partial(_load_parallel, target, auto_draft_option(target, draft), parallel, ctx=ctx,
+                                 threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                                 cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
+                                 gpu_budget=gpu_budget, runtime=runtime, reserve_bytes=prefix_bytes,
+                                 draft_max=draft_max)
+        from edgespec.slots import slot_context
+
+        slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
     else:
-        engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                             verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max,
-                             sampling=True, reserve_bytes=prefix_bytes, runtime=runtime)
-    with engine, _kept_history(engine, history, history_file):
-        config = ServerConfig(model_id=model_name or model_id(target), mode=mode, draft_max=draft_max,
-                              api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
-                              max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
-                              prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
+        load = functools.partial(load_engine, target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                                 flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                 verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max,
+                                 sampling=True, reserve_bytes=prefix_bytes, runtime=runtime)
+    if ray_options is not None:  # each replica calls `load` itself, and keeps its own suffix history
+        from edgespec import scaleout
+
+        if history_file:
+            raise EdgespecError("--history-file keeps one process's suffix history; drop it with --ray")
+        scaleout.serve_openai(load, config, ray_options, host=host, port=port, ssl_certfile=ssl_certfile,
+                              ssl_keyfile=ssl_keyfile)
+        return
+    with load() as engine, _kept_history(engine, history, history_file):
         run_server(engine, config, host=host, port=port, verbose=verbose, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile)
 
@@ -557,8 +604,9 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
     if budget:
         from edgespec.planner import apply_budget_parallel
 
-        engine, the_plan = apply_budget_parallel(target, draft, parallel=parallel, budget=budget, ctx=ctx, max_draft=draft_max,
-                                                 n_threads=threads, verbose=verbose, reserve_bytes=reserve_bytes)
+        engine, the_plan = apply_budget_parallel(target, draft, parallel=parallel, budget=budget, ctx=ctx,
+                                                 max_draft=draft_max, n_threads=threads, verbose=verbose,
+                                                 reserve_bytes=reserve_bytes)
         typer.echo(f"edgespec: plan for --budget {budget}: predicted peak "
                    f"{the_plan.predicted_peak_bytes / 2**20:.0f} MiB; " + "; ".join(the_plan.summary_lines()[1:]),
                    err=True)
@@ -567,12 +615,36 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
                                type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
 
 
+def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, address: str | None,
+                 threads: int | None, verbose: bool):
+    """The --ray flags as scaleout.RayOptions (None without --ray); the module imports ray."""
+    if not on_ray:
+        given = [f for f, v in (("--replicas", replicas), ("--autoscale", autoscale), ("--ray-address", address)) if v]
+        if given:
+            raise EdgespecError(f"{', '.join(given)} scale out on Ray Serve: add --ray")
+        return None
+    if replicas is not None and autoscale is not None:
+        raise EdgespecError("give --replicas N or --autoscale MIN,MAX, not both")
+    from edgespec import scaleout
+
+    return scaleout.RayOptions(address=address, replicas=1 if replicas is None else replicas,
+                               autoscale=scaleout.parse_autoscale(autoscale) if autoscale else None,
+                               cpus_per_replica=float(threads or 1), verbose=verbose)
+
+
 def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, max_sessions, session_ctx,
-                    idle_timeout, rate, batch, threads, gpu_layers, verbose) -> None:
+                    idle_timeout, rate, batch, threads, gpu_layers, verbose, ray_options=None) -> None:
     from edgespec.cloud.verifier import VerifierConfig, serve as serve_verifier
 
     config = VerifierConfig(api_keys=tuple(api_keys), max_sessions=max_sessions, max_context=session_ctx,
                             idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch)
+    if ray_options is not None:
+        from edgespec import scaleout
+
+        scaleout.serve_verifier(target or "smollm2-135m", config, ray_options, host=host, port=port,
+                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, n_threads=threads,
+                                n_gpu_layers=gpu_layers, verbose=verbose)
+        return
     serve_verifier(target or "smollm2-135m", config, host=host, port=port, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile, n_threads=threads, n_gpu_layers=gpu_layers, verbose=verbose)
 

@@ -101,13 +101,14 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
 
     verify_s: dict[int, float] = {}
     sizes = [s for s in BATCH_SIZES if s <= max_batch] or [1]
-    for n in sizes:
+    # The curve's shape first (doubling sizes and the largest), its detail while the budget lasts:
+    # a slow model on a busy machine still gets a curve that spans every k auto may choose.
+    coarse = [s for s in sizes if s & (s - 1) == 0] + [sizes[-1]]
+    for n in dict.fromkeys(coarse + sizes):
         spent = time.perf_counter() - t_start
-        if spent > budget_s and len(verify_s) >= 3:
+        if spent > budget_s and n not in coarse:
             break
         verify_s[n] = time_target(n, repeats if spent < budget_s / 2 else 1)
-    if sizes[-1] not in verify_s:  # the largest pass bounds auto's k: measure it even over budget
-        verify_s[sizes[-1]] = time_target(sizes[-1], 1)
 
     draft_s = catchup_s = None
     if draft is not None:
@@ -171,7 +172,9 @@ def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | Non
     if device is None:
         from edgespec.hardware import detect, device_key
 
-        device = device_key(detect(llama_cpp=True, onnxruntime=False, nvml=False))
+        # NVML as doctor and the planner ask it: without it a GPU has no compute capability and the key
+        # read "cuda-NVIDIA_H200-smunknown" where docs/install.md (and doctor) say "...-sm90".
+        device = device_key(detect(llama_cpp=True, onnxruntime=False))
     key = profile_key(target, draft, device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = profile_dir() / f"{digest}.json"

@@ -161,7 +161,7 @@ class SuffixDrafter:
         if k < 1 or len(context) < 1:
             return EMPTY_DRAFT
         corpus = np.concatenate([self.history.tokens, np.asarray(context, dtype=np.int32)])
-        ends = self._longest_match(corpus, np.asarray(context[-self.max_match:], dtype=np.int32))
+        ends, matched = self._longest_match(corpus, np.asarray(context[-self.max_match:], dtype=np.int32))
         if ends.size == 0:
             return EMPTY_DRAFT
         tokens, confidence, siblings = [], [], []
@@ -176,11 +176,15 @@ class SuffixDrafter:
             values, counts = np.unique(nxt[live], return_counts=True)
             order = np.lexsort((-self._latest(values, nxt, following), -counts))  # most frequent, then latest
             best = int(values[order[0]])
-            p = float(counts[order[0]]) / len(nxt)
+            # The share of occurrences that go on this way, with a pseudo-count for "something else"
+            # that shrinks as the matched context grows: one occurrence after a 1-token match is
+            # weak evidence, one after 16 matching tokens is strong.
+            p = float(counts[order[0]]) / (len(nxt) + 1.0 / (matched + i))
             if reach * p < self.min_reach:
                 break
             if branch is not None and len(order) > 1:
-                if branch(len(tokens) + 1 + len(siblings), float(counts[order[1]]) / len(nxt), reach):
+                if branch(len(tokens) + 1 + len(siblings), float(counts[order[1]]) / (len(nxt) + 1.0 / (matched + i)),
+                          reach):
                     siblings.append((i, int(values[order[1]])))
             tokens.append(best)
             confidence.append(p)
@@ -193,18 +197,19 @@ class SuffixDrafter:
             return with_siblings(chain, siblings)
         return Draft(chain, confidence=np.asarray(confidence))
 
-    def _longest_match(self, corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _longest_match(corpus: np.ndarray, pattern: np.ndarray) -> tuple[np.ndarray, int]:
         """End positions of the longest suffix of `pattern` found in corpus[:-1] (so each has a
-        continuation), extending candidate matches leftward one token at a time."""
-        ends = np.flatnonzero(corpus[:-1] == pattern[-1])
+        continuation), and its length, extending candidate matches leftward one token at a time."""
+        ends, matched = np.flatnonzero(corpus[:-1] == pattern[-1]), 1
         for length in range(1, len(pattern)):
             before = ends - length
             ok = before >= 0
             ok[ok] = corpus[before[ok]] == pattern[-1 - length]
             if not ok.any():
                 break
-            ends = ends[ok]
-        return ends
+            ends, matched = ends[ok], length + 1
+        return ends, matched
 
     @staticmethod
     def _latest(values: np.ndarray, nxt: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install edgespec into ./.venv from nothing: a CPU build of llama-cpp-python, then edgespec itself.
 #   bash scripts/install.sh            # runtime only
-#   bash scripts/install.sh --test     # plus the test dependencies
+#   bash scripts/install.sh --test     # plus the test dependencies (and the ray extra: Ray Serve)
 #   bash scripts/install.sh --bench    # plus the benchmark dependencies (matplotlib)
 #   bash scripts/install.sh --export   # plus `edgespec export` (torch 2.13.0 CPU, transformers, optimum-onnx,
 #                                      #   onnxruntime, coremltools): about 1.5 GB
@@ -27,7 +27,7 @@ PYTHON="${PYTHON:-python3}"
 extras=""
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="${extras:+$extras,}test" ;;
+    --test) extras="${extras:+$extras,}test,ray" ;;  # the Ray Serve tests run on a real local Ray
     --bench) extras="${extras:+$extras,}bench" ;;
     --export) extras="${extras:+$extras,}export" ;;
     *) echo "error: unknown option $arg (use --test, --bench and/or --export)" >&2; exit 2 ;;

@@ -47,3 +47,25 @@ def test_bench_quick_smollm2(tmp_path, smollm2_path):
     assert "What auto chose" in markdown
     if importlib.util.find_spec("matplotlib"):  # the `bench` extra
         assert (tmp_path / "tok_s_vs_k.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_race_runs_every_workload_group(tmp_path, smollm2_path):
+    """The race harness (bench/race.py) on two items per workload group: every edgespec system reports
+    a speed, later conversation turns are built from earlier answers, and the goals table is filled in."""
+    from edgespec.bench import race
+
+    code = race.main(["--models", "smollm2", "--limit", "2", "--max-tokens", "8", "--ks", "1", "--no-cpp",
+                      "--out", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "race.json").read_text())
+    [summary] = doc["summary"].values()
+    assert set(summary["systems"]) == {"edgespec ar", "edgespec lookup k=1", "edgespec draft k=1",
+                                       "edgespec suffix", "edgespec auto"}
+    assert set(summary["classes"]) == {"chat", "code", "grounded", "multi-turn", "structured"}
+    items = {r["item"] for r in doc["runs"]}
+    assert {"multi-code-review-t1", "multi-code-review-t2", "struct-person-0", "struct-person-1"} <= items
+    assert all(r["tok_s"] for r in doc["runs"] if r["generated"] > 1)
+    assert any(g["claim"].startswith("multi-turn") for g in doc["goals"])
+    assert "## Goals (issue 17)" in (tmp_path / "RACE_RESULTS.md").read_text()
+    assert (tmp_path / "race_per_prompt.png").stat().st_size > 0

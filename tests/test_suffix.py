@@ -30,14 +30,15 @@ def test_the_most_frequent_continuation_is_proposed_with_its_share_as_confidence
     drafter = drafter_with([1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [1, 2, 3, 4, 6])
     draft = drafter.propose(np.array([7, 1, 2, 3]), 4)
     assert draft.tokens.tolist()[:2] == [4, 6]  # 4 follows twice in three; then 5 or 6 once each: the latest
-    assert draft.confidence.tolist()[:2] == pytest.approx([2 / 3, 1 / 2])
+    # shares with a pseudo-count of 1 / (tokens matched): "1 2 3" matched, then "1 2 3 4"
+    assert draft.confidence.tolist()[:2] == pytest.approx([2 / (3 + 1 / 3), 1 / (2 + 1 / 4)])
 
 
 def test_the_longest_match_decides_and_outputs_do_not_run_into_each_other():
     drafter = drafter_with([9, 1, 2, 3, 7, 7], [5, 1, 2, 3, 8])
     draft = drafter.propose(np.array([5, 1, 2, 3]), 4)
     assert draft.tokens.tolist() == [8]  # the 4-token match; its output ends there
-    assert draft.confidence.tolist() == [1.0]
+    assert draft.confidence.tolist() == [pytest.approx(1 / (1 + 1 / 4))]
     assert len(drafter.propose(np.array([42]), 4)) == 0  # nothing matches
 
 
@@ -64,7 +65,7 @@ def test_runner_up_continuations_become_sibling_leaves():
     draft = drafter.propose(np.array([1, 2]), 2, branch=branch)
     assert draft.parents is not None
     assert draft.tokens.tolist() == [3, 5, 4] and draft.parents.tolist() == [0, 0, 1]
-    assert asked[0] == (1, round(1 / 3, 3), 1.0)
+    assert asked[0] == (1, round(1 / (3 + 1 / 2), 3), 1.0)
 
 
 def test_history_is_bounded_and_drops_the_oldest_output():
@@ -110,10 +111,11 @@ def test_auto_weighs_suffix_confidence_as_calibrated_by_the_target():
         calibration.record(confident, 0, True)
     assert calibration.rates(confident)[0] < before / 3
 
-    from test_policy import flat_profile
+    from edgespec.profile import CostProfile
 
     drafter = drafter_with([1, 2, 3, 4, 5, 6, 7, 8])
-    policy = AdaptivePolicy(flat_profile(), None, None, k_max=6, suffix=drafter)
+    cheap = CostProfile({n: 10 * MS * (1 + 0.2 * (n - 1)) for n in (1, 2, 4, 8)}, None, None, 0.0)  # cheap, not free
+    policy = AdaptivePolicy(cheap, None, None, k_max=6, suffix=drafter)
     choice = policy.choose(make_state([9, 1, 2, 3]))
     assert choice.drafter is drafter and choice.k == 5  # the whole remembered continuation
     for _ in range(30):

@@ -62,6 +62,7 @@ class VerifierConfig:
     batch: bool = True               # verify concurrent sessions in one llama_decode
     max_waiting: int = 8             # requests per session waiting for an earlier one (1.1); more get 429
     order_timeout_s: float = 2.0     # how long such a request waits for the one it follows before 409 stale
+    session_id_prefix: str = ""      # Ray Serve replicas put their id here, so a router can find a session's KV
 
     def __post_init__(self) -> None:
         if not self.api_keys or any(len(k) < 8 for k in self.api_keys):
@@ -71,6 +72,8 @@ class VerifierConfig:
             raise EdgespecError("--max-sessions must be between 1 and 256")
         if self.max_context < 16:
             raise EdgespecError("--session-ctx must be at least 16 tokens")
+        if len(self.session_id_prefix) > 24:  # session ids are at most 64 characters on the wire
+            raise EdgespecError("session_id_prefix must be at most 24 characters")
 
 
 def key_id(api_key: str) -> str:
@@ -301,7 +304,8 @@ class VerifierCore:
             self.counters["evicted"] += 1
         seq = self.free_seqs.pop()
         self.runtime.seq_clear(seq)
-        session = Session(secrets.token_urlsafe(24), owner, seq, [], Sampler(req.sampling, req.seed), req.seed)
+        session = Session(self.config.session_id_prefix + secrets.token_urlsafe(24), owner, seq, [],
+                          Sampler(req.sampling, req.seed), req.seed)
         self.sessions[session.id] = session
         self.counters["sessions_started"] += 1
         return session
