@@ -7,9 +7,9 @@ the speculative stats of the generation, how long it queued, and what the prefix
 
 Requests are served one at a time in arrival order from a bounded queue (`edgespec.aio`), or with
 a `ParallelEngine` (`serve --parallel N`) up to N at once, every active request advanced in one
-batched target pass per step (`edgespec.slots`); a full queue answers 429. Each request has a time limit, max_tokens and the body size are bounded, a
-client that disconnects cancels its generation, and an API key can be required (it must be when
-binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
+batched target pass per step (`edgespec.slots`); a full queue answers 429. Each request has a time
+limit, max_tokens and the body size are bounded, a client that disconnects cancels its generation,
+and an API key can be required (it must be when binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
 "param", "code"}}`.
 """
 
