@@ -169,15 +169,15 @@ class ShadowScorer:
     probability p(x), the chance the committed token is x) or the proposal is used up.
     """
 
-    MAX_PENDING = 64  # proposals still open; older ones are dropped (a generation that ended, say)
+    OPEN_PER_DRAFTER = 4  # proposals followed at once: neighbours mostly copy the same source, so a
+    #                       few give nearly all the information at a few array compares per round
 
     def __init__(self):
         self._pending: list[list] = []  # [drafter name, draft, position of its first token, judged so far]
 
     def add(self, name: str, draft: Draft, start: int) -> None:
-        if len(draft):
+        if len(draft) and sum(entry[0] == name for entry in self._pending) < self.OPEN_PER_DRAFTER:
             self._pending.append([name, draft, start, 0])
-            del self._pending[:-self.MAX_PENDING]
 
     def observe(self, start: int, committed: np.ndarray) -> list[tuple[str, Draft, int, int, bool]]:
         """`committed` are the tokens now at positions start, start + 1, ...; returns, per proposal
@@ -214,6 +214,8 @@ class AdaptivePolicy:
         self.k_max = max(1, min(k_max, profile.max_batch - 1))
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
+        # verify(n) for n = 1 .. k_max + 1, read every round: interpolated once, not per round.
+        self._verify = np.array([profile.verify(n) for n in range(1, self.k_max + 2)])
         self.calibration = ConfidenceCalibration()  # the suffix drafter's confidence -> acceptance
         self.shadows = ShadowScorer()
         self._round_start = 0
@@ -235,10 +237,13 @@ class AdaptivePolicy:
         return self.profile.verify(r + n) - self.profile.verify(r) if r else self.profile.verify(n)
 
     def plain_speed(self) -> float:
-        return 1.0 / self._pass(1)
+        return 1.0 / self._verify_costs(0)[0]
 
     def _verify_costs(self, k: int) -> np.ndarray:
-        """The pass's cost of n = 1 .. k + 1 rows of this request."""
+        """The pass's cost of n = 1 .. k + 1 rows of this request: verify(n) alone (computed once), the
+        marginal verify(R + n) - verify(R) beside R rows of other requests."""
+        if not self.rows_besides:
+            return self._verify[:k + 1]
         return np.array([self._pass(n) for n in range(1, k + 2)])
 
     def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:

@@ -90,25 +90,33 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     target.truncate(0)
     target.decode(context, 0)
 
-    def time_target(n: int, reps: int) -> float:
+    def target_step(n: int):
         batch = rng.integers(100, min(n_vocab, 30000), size=n).astype(np.int32)
 
         def step():
             target.decode(batch, n)
             target.truncate(CONTEXT_TOKENS)
         step()  # warm the kernels and buffers for this size
-        return _best_time(step, reps)
+        return step
 
-    verify_s: dict[int, float] = {}
     sizes = [s for s in BATCH_SIZES if s <= max_batch] or [1]
     # The curve's shape first (doubling sizes and the largest), its detail while the budget lasts:
     # a slow model on a busy machine still gets a curve that spans every k auto may choose.
     coarse = [s for s in sizes if s & (s - 1) == 0] + [sizes[-1]]
+    steps = {}
     for n in dict.fromkeys(coarse + sizes):
-        spent = time.perf_counter() - t_start
-        if spent > budget_s and n not in coarse:
+        if time.perf_counter() - t_start > budget_s / 2 and n not in coarse:
             break
-        verify_s[n] = time_target(n, repeats if spent < budget_s / 2 else 1)
+        steps[n] = target_step(n)
+    # Repeats go round the sizes rather than size by size, so a burst of other load on the machine
+    # slows every size alike instead of bending the curve; each size keeps its fastest run.
+    times: dict[int, list[float]] = {n: [] for n in steps}
+    for rep in range(repeats):
+        for n, step in steps.items():
+            if rep and time.perf_counter() - t_start > budget_s:
+                break
+            times[n].append(_best_time(step, 1))
+    verify_s = {n: min(ts) for n, ts in times.items()}
 
     draft_s = catchup_s = None
     if draft is not None:

@@ -169,22 +169,27 @@ class SuffixDrafter:
         following = ends + 1  # where each occurrence's continuation stands
         for i in range(k):
             following = following[following < len(corpus)]
+            if len(following) == 1 and branch is None:  # one occurrence left: the rest is a plain copy
+                return self._copy_rest(corpus, int(following[0]), k - i, matched + i, tokens, confidence, reach, gate)
             nxt = corpus[following]
-            live = nxt != SEPARATOR
-            if not live.any():
-                break
-            values, counts = np.unique(nxt[live], return_counts=True)
-            order = np.lexsort((-self._latest(values, nxt, following), -counts))  # most frequent, then latest
+            if nxt[0] != SEPARATOR and (nxt == nxt[0]).all():  # all agree (a repeat): no counting needed
+                values, counts, order = nxt[:1], np.array([len(nxt)]), np.array([0])
+            else:
+                live = nxt != SEPARATOR
+                if not live.any():
+                    break
+                values, counts = np.unique(nxt[live], return_counts=True)
+                order = np.lexsort((-self._latest(values, nxt, following), -counts))  # most frequent, then latest
             best = int(values[order[0]])
             # The share of occurrences that go on this way, with a pseudo-count for "something else"
             # that shrinks as the matched context grows: one occurrence after a 1-token match is
             # weak evidence, one after 16 matching tokens is strong.
-            p = float(counts[order[0]]) / (len(nxt) + 1.0 / (matched + i))
+            total = len(nxt) + 1.0 / (matched + i)
+            p = float(counts[order[0]]) / total
             if reach * p < self.min_reach:
                 break
             if branch is not None and len(order) > 1:
-                if branch(len(tokens) + 1 + len(siblings), float(counts[order[1]]) / (len(nxt) + 1.0 / (matched + i)),
-                          reach):
+                if branch(len(tokens) + 1 + len(siblings), float(counts[order[1]]) / total, reach):
                     siblings.append((i, int(values[order[1]])))
             tokens.append(best)
             confidence.append(p)
@@ -197,18 +202,40 @@ class SuffixDrafter:
             return with_siblings(chain, siblings)
         return Draft(chain, confidence=np.asarray(confidence))
 
+    def _copy_rest(self, corpus: np.ndarray, at: int, n: int, matched: int, tokens: list, confidence: list,
+                   reach: float, gate) -> Draft:
+        """The walk with one occurrence left, vectorised: copy what follows it up to its output's end,
+        each token with confidence 1 / (1 + 1 / tokens matched), while the path stays likely."""
+        run = corpus[at:at + n]
+        stops = np.flatnonzero(run == SEPARATOR)
+        run = run[:stops[0]] if stops.size else run
+        p = 1.0 / (1.0 + 1.0 / (matched + np.arange(len(run))))
+        keep = int(np.searchsorted(-(reach * np.cumprod(p)), -self.min_reach, side="right"))
+        if gate is not None:  # the first token the gate refuses is the last one drafted
+            path = reach * np.cumprod(p[:keep])
+            refused = [j for j in range(min(keep, n - 1)) if not gate(len(tokens) + j + 1, float(p[j]), float(path[j]))]
+            keep = refused[0] + 1 if refused else keep
+        return Draft(np.concatenate([np.asarray(tokens, dtype=np.int32), run[:keep]]).astype(np.int32),
+                     confidence=np.concatenate([confidence, p[:keep]]))
+
     @staticmethod
     def _longest_match(corpus: np.ndarray, pattern: np.ndarray) -> tuple[np.ndarray, int]:
         """End positions of the longest suffix of `pattern` found in corpus[:-1] (so each has a
-        continuation), and its length, extending candidate matches leftward one token at a time."""
+        continuation), and its length, extending candidate matches leftward one token at a time
+        (at once, once a single candidate is left)."""
         ends, matched = np.flatnonzero(corpus[:-1] == pattern[-1]), 1
-        for length in range(1, len(pattern)):
-            before = ends - length
+        while ends.size > 1 and matched < len(pattern):
+            before = ends - matched
             ok = before >= 0
-            ok[ok] = corpus[before[ok]] == pattern[-1 - length]
+            ok[ok] = corpus[before[ok]] == pattern[-1 - matched]
             if not ok.any():
                 break
-            ends, matched = ends[ok], length + 1
+            ends, matched = ends[ok], matched + 1
+        if ends.size == 1 and matched < len(pattern):
+            end = int(ends[0])
+            span = min(len(pattern), end + 1)
+            left = corpus[end + 1 - span:end + 1][::-1] == pattern[::-1][:span]
+            matched = span if left.all() else int(np.argmin(left))
         return ends, matched
 
     @staticmethod

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install edgespec into ./.venv from nothing: a CPU build of llama-cpp-python, then edgespec itself.
 #   bash scripts/install.sh            # runtime only
-#   bash scripts/install.sh --test     # plus the test dependencies (and the ray extra: Ray Serve)
+#   bash scripts/install.sh --test     # plus the test dependencies, the ray extra (Ray Serve), and the JS kit's
+#                                      #   (kits/js: npm ci from the registry, tsc; Debian's chromium for its browser test)
 #   bash scripts/install.sh --bench    # plus the benchmark dependencies (matplotlib)
 #   bash scripts/install.sh --export   # plus `edgespec export` (torch 2.13.0 CPU, transformers, optimum-onnx,
 #                                      #   onnxruntime, coremltools): about 1.5 GB
@@ -25,9 +26,10 @@ LLAMA_CMAKE_ARGS="${EDGESPEC_LLAMA_CMAKE_ARGS:-$CMAKE_ARGS_DEFAULT}"
 PYTHON="${PYTHON:-python3}"
 
 extras=""
+with_test=""
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="${extras:+$extras,}test,ray" ;;  # the Ray Serve tests run on a real local Ray
+    --test) extras="${extras:+$extras,}test,ray"; with_test=1 ;;  # the Ray Serve tests run on a real local Ray
     --bench) extras="${extras:+$extras,}bench" ;;
     --export) extras="${extras:+$extras,}export" ;;
     *) echo "error: unknown option $arg (use --test, --bench and/or --export)" >&2; exit 2 ;;
@@ -48,4 +50,22 @@ if ! ls "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
 fi
 .venv/bin/python -m pip install --quiet "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
 .venv/bin/python -m pip install --quiet -e ".${extras:+[$extras]}"
+
+# The TypeScript kit's tests (tests/test_js_kit.py) run it on Node and in headless Chromium.
+# onnxruntime-node ships its CPU binaries in the npm package; ONNXRUNTIME_NODE_INSTALL=skip stops its
+# install script fetching the CUDA provider from an outside download site (only package registries are reachable in CI).
+if [ -n "$with_test" ]; then
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    echo "error: the JS kit's tests need Node.js 20 and npm on PATH (apt-get install nodejs npm)" >&2; exit 2
+  fi
+  (cd kits/js && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error && npm run --silent build)
+  if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ]; then
+      echo "installing Debian's chromium for the kit's browser test" >&2
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+      echo "error: the kit's browser test needs Chromium at /usr/bin/chromium: sudo apt-get install chromium" >&2; exit 2
+    fi
+  fi
+fi
 echo "installed: $(.venv/bin/edgespec --help >/dev/null && echo edgespec) in $(pwd)/.venv" >&2

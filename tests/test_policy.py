@@ -242,7 +242,7 @@ def test_auto_on_this_cpu_never_predicts_a_loss(smollm2_path):
     with Engine(load_runtime(smollm2_path)) as engine:
         result = engine.generate("Write a limerick.", max_tokens=16, temperature=0, mode="auto")
         profile = engine.cost_profile()
-    assert result.stats.mode == "auto" and set(profile.verify_s) >= {1, 2, 3}
+    assert result.stats.mode == "auto" and set(profile.verify_s) >= {1, 2, 4, 8, 17}  # the curve spans k = 0 .. 16
     assert all(v > 0 for v in profile.verify_s.values())
 
 
