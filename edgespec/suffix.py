@@ -169,6 +169,8 @@ class SuffixDrafter:
         following = ends + 1  # where each occurrence's continuation stands
         for i in range(k):
             following = following[following < len(corpus)]
+            if len(following) == 0:  # every occurrence ran into the end of the corpus
+                break
             if len(following) == 1 and branch is None:  # one occurrence left: the rest is a plain copy
                 return self._copy_rest(corpus, int(following[0]), k - i, matched + i, tokens, confidence, reach, gate)
             nxt = corpus[following]
