@@ -138,6 +138,10 @@ class AsyncGeneration:
         except RuntimeError:  # the event loop is gone: nobody is listening any more
             self.cancel_event.set()
 
+    def _put_end(self) -> None:
+        """The generation is over (its `result` is set, or it never ran)."""
+        self._put(_END)
+
     # -- caller side (the event loop) -----------------------------------------------------------
 
     def __aiter__(self) -> AsyncIterator[Piece]:

@@ -412,6 +412,8 @@ def plan(
     gpu_budget: str = GPU_BUDGET,
     ctx: int = typer.Option(None, "--ctx", "-c", help="context size that must fit [default: the largest of 4096, 2048, 1024, 512 that fits]"),
     draft_max: int = typer.Option(None, help="longest draft length to consider [default: 4]"),
+    parallel: int = typer.Option(1, "--parallel", "-np", help="slots of `serve --parallel N`: --ctx is then the KV "
+                                 "pool they share (each gets --ctx / N)"),
     as_json: bool = typer.Option(False, "--json", help='print {"fits", "predicted_peak_bytes", "breakdown", "settings", ...}'),
 ) -> None:
     """Predict the peak memory of a target (+ draft) setup and choose the settings that fit a budget."""
@@ -420,7 +422,7 @@ def plan(
     from edgespec.planner import plan_for_cli
 
     result = plan_for_cli(target, auto_draft_option(target, draft), budget=budget, gpu_budget=gpu_budget, ctx=ctx,
-                          max_draft=draft_max)
+                          max_draft=draft_max, parallel=parallel)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     if not result.fits:  # one line on stderr, exit status 2 (with --json the object above says it too)
@@ -501,6 +503,8 @@ def serve(
     max_request_kb: int = typer.Option(1024, help="largest request body in KiB; larger get 413"),
     prefix_cache_mb: float = typer.Option(256.0, help="memory for the KV of earlier prefixes, LRU-evicted (0 = off)"),
     no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="prefill every request from scratch (for measurements)"),
+    parallel: int = typer.Option(1, "--parallel", "-np", help="requests generated at once, batched in one target "
+                                 "pass per step; the slots share --ctx (each gets --ctx / N tokens)"),
     max_sessions: int = typer.Option(16, help="--verifier: sessions held at once (one llama.cpp sequence each; LRU eviction)"),
     session_ctx: int = typer.Option(2048, help="--verifier: tokens per session (the KV pool holds sessions x this)"),
     idle_timeout: float = typer.Option(600.0, help="--verifier: seconds before an idle session is dropped"),
@@ -543,6 +547,9 @@ def serve(
         if draft or budget or gpu_budget:
             raise EdgespecError(f"serve --verifier takes no {'--draft' if draft else '--budget'} (the edge drafts; the "
                                 "verifier's memory is --max-sessions x --session-ctx)")
+        if parallel != 1:
+            raise EdgespecError("the verifier already verifies every session with work in one batched pass, one "
+                                "sequence per session: set how many with --max-sessions, not --parallel")
         _serve_verifier(target, api_key, host, port, ssl_certfile, ssl_keyfile, max_sessions=max_sessions,
                         session_ctx=session_ctx, idle_timeout=idle_timeout, rate=rate, batch=not no_batch,
                         threads=threads, gpu_layers=gpu_layers, verbose=verbose, ray_options=ray_options)
@@ -553,10 +560,20 @@ def serve(
                           api_keys=tuple(api_key), max_queue=max_queue, timeout_s=timeout,
                           max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
                           prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
-    load = functools.partial(load_engine, target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
-                             flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                             verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max, sampling=True,
-                             reserve_bytes=prefix_bytes, runtime=runtime)
+    if parallel != 1:  # N slots in one context, batched (each Ray replica holds its own N)
+        load = functools.partial(_load_parallel, target, auto_draft_option(target, draft), parallel, ctx=ctx,
+                                 threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+                                 cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
+                                 gpu_budget=gpu_budget, runtime=runtime, reserve_bytes=prefix_bytes,
+                                 draft_max=draft_max)
+        from edgespec.slots import slot_context
+
+        slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
+    else:
+        load = functools.partial(load_engine, target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers,
+                                 flash_attn=flash_attn, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                 verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max,
+                                 sampling=True, reserve_bytes=prefix_bytes, runtime=runtime)
     if ray_options is not None:  # each replica calls `load` itself, and keeps its own suffix history
         from edgespec import scaleout
 
@@ -568,6 +585,34 @@ def serve(
     with load() as engine, _kept_history(engine, history, history_file):
         run_server(engine, config, host=host, port=port, verbose=verbose, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile)
+
+
+def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, flash_attn, cache_type_k, cache_type_v,
+                   verbose, budget, gpu_budget, runtime, reserve_bytes=0, draft_max=None):
+    """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft)."""
+    from edgespec.slots import ParallelEngine, slot_context
+
+    slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
+    if runtime != "llamacpp":
+        raise EdgespecError("--parallel runs llama.cpp (one KV sequence per slot in one context); drop --runtime")
+    if flash_attn:
+        raise EdgespecError("--parallel keeps flash attention off (the slots' cells interleave in one pool, and "
+                            "llama.cpp's CPU flash attention then changes results); drop --flash-attn")
+    if gpu_budget:
+        raise EdgespecError("--gpu-budget does not plan --parallel yet; use --budget (host memory) or size the pool "
+                            "with --ctx")
+    if budget:
+        from edgespec.planner import apply_budget_parallel
+
+        engine, the_plan = apply_budget_parallel(target, draft, parallel=parallel, budget=budget, ctx=ctx,
+                                                 max_draft=draft_max, n_threads=threads, verbose=verbose,
+                                                 reserve_bytes=reserve_bytes)
+        typer.echo(f"edgespec: plan for --budget {budget}: predicted peak "
+                   f"{the_plan.predicted_peak_bytes / 2**20:.0f} MiB; " + "; ".join(the_plan.summary_lines()[1:]),
+                   err=True)
+        return engine
+    return ParallelEngine.load(target, draft, parallel=parallel, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
+                               type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
 
 
 def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, address: str | None,

@@ -330,24 +330,27 @@ class Engine:
               mode: str) -> SpeculativeState:
         """Check the budget, then prefill the target and the drafters the policy prefills (all of it
         counts as time to first token; a drafter auto prefills later catches up inside draft_s)."""
+        state = self.new_state(prompt_ids, config, mode)
+        prompt, n_prompt = state.committed, state.n_prompt
+        kept = sync_to(self.target, prompt[:-1])  # reuse the KV of a shared prefix
+        if kept < n_prompt - 1:
+            self.target.decode(prompt[kept:-1], 0)
+        state.stats.cached_tokens, state.stats.prefilled_tokens = kept, n_prompt - 1 - kept
+        for drafter in policy.prefilled:
+            drafter.prepare(prompt)
+        state.stats.prefill_s = time.perf_counter() - state.t_start
+        return state
+
+    def new_state(self, prompt_ids: Sequence[int], config: GenerationConfig, mode: str) -> SpeculativeState:
+        """A generation's state before any KV work: the budget checked, the seed drawn."""
         n_prompt = len(prompt_ids)
         self.check_fits(n_prompt, config)
         seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
         context = np.zeros(n_prompt + config.max_tokens, dtype=np.int32)
         context[:n_prompt] = prompt_ids
-        state = SpeculativeState(context, n_prompt, n_prompt, config.max_tokens,
-                                 Sampler(config.sampling, seed),
-                                 GenerationStats(mode=mode, prompt_tokens=n_prompt, seed=seed))
-        prompt = state.committed
-        kept = sync_to(self.target, prompt[:-1])  # reuse the KV of a shared prefix
-        if kept < n_prompt - 1:
-            self.target.decode(prompt[kept:-1], 0)
-        state.stats.cached_tokens, state.stats.prefilled_tokens = kept, n_prompt - 1 - kept
-        state.top_logprobs = config.logprobs
-        for drafter in policy.prefilled:
-            drafter.prepare(prompt)
-        state.stats.prefill_s = time.perf_counter() - state.t_start
-        return state
+        return SpeculativeState(context, n_prompt, n_prompt, config.max_tokens, Sampler(config.sampling, seed),
+                                GenerationStats(mode=mode, prompt_tokens=n_prompt, seed=seed),
+                                top_logprobs=config.logprobs)
 
     def draft_step(self, state: SpeculativeState, choice: Choice) -> Draft:
         if choice.drafter is None or choice.k == 0:
@@ -367,16 +370,26 @@ class Engine:
         if draft.parents is not None:
             return self.verify_tree_step(state, draft)
         t = time.perf_counter()
-        # Normally only the last committed token is new to the target; after a tree whose accepted
-        # path left the main chain, the tokens of that branch are too (see keep_tree_path).
-        unseen = state.committed[self.target.n_past:]
-        fed = np.concatenate([unseen, draft.tokens])
-        logits = self.target.decode(fed, len(draft) + 1)
+        logits = self.target.decode(self.verify_feed(state, draft), len(draft) + 1)
+        verification = self.verify_accept(state, draft, logits, verifier)
+        state.stats.verify_s += time.perf_counter() - t
+        return verification
+
+    def verify_feed(self, state: SpeculativeState, draft: Draft) -> np.ndarray:
+        """The tokens a verify pass appends; the pass returns logits of the last len(draft) + 1.
+
+        Normally only the last committed token is new to the target; after a tree whose accepted
+        path left the main chain, the tokens of that branch are too (see keep_tree_path).
+        """
+        return np.concatenate([state.committed[self.target.n_past:], draft.tokens])
+
+    def verify_accept(self, state: SpeculativeState, draft: Draft, logits: np.ndarray,
+                      verifier: Verifier | None = None) -> Verification:
+        """Accept a prefix of the draft by the target's rows of the pass; roll its KV back to it."""
         rows = state.sampler.rows(logits, state.committed, draft.tokens)
         verify = verifier or (accept_greedy if state.sampler.params.greedy else accept_sampling)
         n_accepted, token = verify(draft.tokens, draft.probs, rows, state.sampler.rng)
         self.target.truncate(state.n + n_accepted)  # keep the last token and the accepted drafts
-        state.stats.verify_s += time.perf_counter() - t
         return Verification(draft, n_accepted, token, logits)
 
     def verify_tree_step(self, state: SpeculativeState, draft: Draft) -> Verification:
@@ -448,17 +461,9 @@ class Engine:
         t_decode = time.perf_counter()
         try:
             while state.finish_reason is None:
-                t = time.perf_counter()
-                choice = policy.choose(state)
-                if self.memory_guard is not None:  # under memory pressure: a shorter draft, or none
-                    choice = cap_choice(choice, self.memory_guard.check(state))
-                state.stats.draft_s += time.perf_counter() - t  # choosing includes asking lookup
-                draft = self.draft_step(state, choice)
+                choice, draft = self.propose(state, policy)
                 verification = self.verify_step(state, draft, verifier)
-                name = choice.drafter.name if choice.drafter is not None and len(draft) else "none"
-                new = self.accept_step(state, verification, name)
-                policy.observe(choice, len(draft), verification.n_accepted,
-                               np.append(verification.accepted, verification.token))
+                new = self.commit(state, policy, choice, verification)
                 if len(new):
                     yield new
         finally:
@@ -466,6 +471,24 @@ class Engine:
             self.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
             if self.memory_guard is not None:
                 self.memory_guard.observe(state)
+
+    def propose(self, state: SpeculativeState, policy: Policy) -> tuple[Choice, Draft]:
+        """The first half of a round: the policy's choice, and the draft it asks for."""
+        t = time.perf_counter()
+        choice = policy.choose(state)
+        if self.memory_guard is not None:  # under memory pressure: a shorter draft, or none
+            choice = cap_choice(choice, self.memory_guard.check(state))
+        state.stats.draft_s += time.perf_counter() - t  # choosing includes asking lookup
+        return choice, self.draft_step(state, choice)
+
+    def commit(self, state: SpeculativeState, policy: Policy, choice: Choice,
+               verification: Verification) -> np.ndarray:
+        """The last half of a round: commit what was accepted, tell the policy. Returns the new tokens."""
+        name = choice.drafter.name if choice.drafter is not None and len(verification.draft) else "none"
+        new = self.accept_step(state, verification, name)
+        policy.observe(choice, len(verification.draft), verification.n_accepted,
+                       np.append(verification.accepted, verification.token))
+        return new
 
     # -- public API ---------------------------------------------------------------------------
 

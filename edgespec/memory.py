@@ -452,12 +452,13 @@ class Setup:
     max_draft: int = 0               # k: drafted tokens per round (tree: nodes); rows = k + 1
     sampling: bool = True            # sampling keeps distributions per drafted row too
     hardware: Hardware = Hardware()
+    parallel: int = 1                # slots verified in one pass (serve --parallel): rows of each
 
     def to_dict(self) -> dict:
         return {"target_settings": asdict(self.target_settings),
                 "draft_settings": asdict(self.draft_settings) if self.draft_settings else None,
                 "has_draft": self.draft is not None, "max_draft": self.max_draft, "sampling": self.sampling,
-                "hardware": asdict(self.hardware)}
+                "hardware": asdict(self.hardware), "parallel": self.parallel}
 
     @classmethod
     def from_dict(cls, d: dict, facts: dict[str, ModelFacts]) -> "Setup":
@@ -465,7 +466,7 @@ class Setup:
                    draft=facts.get("draft") if d.get("has_draft") else None,
                    draft_settings=ModelSettings(**d["draft_settings"]) if d.get("draft_settings") else None,
                    max_draft=d.get("max_draft", 0), sampling=d.get("sampling", True),
-                   hardware=Hardware(**d.get("hardware", {})))
+                   hardware=Hardware(**d.get("hardware", {})), parallel=d.get("parallel", 1))
 
 
 @dataclass
@@ -618,6 +619,7 @@ def predict(setup: Setup, cal: Calibration, *, base_bytes: int | None = None) ->
     verify = cal.row_copies * rows * setup.target.n_vocab * 4
     if setup.sampling and setup.max_draft:
         verify += 8 * (2 * setup.max_draft + 1) * setup.target.n_vocab  # float64 distributions per row
+    verify *= setup.parallel  # every slot's rows and distributions are held through the same step
     host["verification"] = int(verify)
     phases["run"] = sum(host.values())
     host_peak = max(phases.values())

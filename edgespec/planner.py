@@ -14,6 +14,11 @@ returns the first that fits, with its predicted peak and a breakdown (see `edges
    twice; free at run time), then smaller ubatches (512, 256, 128 tokens: a smaller compute buffer,
    slower prefill only).
 
+With N parallel slots (`serve --parallel N`) the context is the KV pool the slots share (each slot
+--ctx / N tokens, so the ladder is N x the one above), a target pass returns up to N x (k + 1)
+logits rows, and flash attention stays off (the slots' cells interleave in one pool), so only
+float V caches are tried.
+
 A setup fits when its predicted peak plus a safety margin (2 %, at least 8 MiB) stays within the
 budget, and on a discrete GPU the VRAM within --gpu-budget. When nothing fits the plan says so and
 names the smallest budget that would.
@@ -60,15 +65,18 @@ class PlanSettings:
     draft_gpu_layers: int = 0
     draft_offload_kqv: bool = True
     max_draft: int = 0
+    parallel: int = 1       # slots sharing the KV pool of n_ctx cells (serve --parallel)
 
     @property
     def flash_attn(self) -> bool | None:
-        """On where a quantized V cache needs it; else llama.cpp decides."""
+        """On where a quantized V cache needs it; else llama.cpp decides; off for parallel slots."""
+        if self.parallel > 1:
+            return False
         return True if self.type_v not in ("f32", "f16", "bf16") else None
 
     def target_settings(self) -> ModelSettings:
         return ModelSettings(n_ctx=self.n_ctx, type_k=self.type_k, type_v=self.type_v, flash_attn=self.flash_attn,
-                             n_batch=self.n_batch, n_outputs_max=self.max_draft + 1,
+                             n_batch=self.n_batch, n_outputs_max=min(self.n_batch, self.parallel * (self.max_draft + 1)),
                              n_gpu_layers=self.target_gpu_layers, offload_kqv=self.target_offload_kqv,
                              use_mmap=self.use_mmap)
 
@@ -82,7 +90,7 @@ class PlanSettings:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["n_ctx_allocated"] = padded_ctx(self.n_ctx)
-        d["flash_attn"] = "on" if self.flash_attn else "auto"
+        d["flash_attn"] = "on" if self.flash_attn else "off" if self.flash_attn is False else "auto"
         d["offload_kqv"] = {"target": self.target_offload_kqv, "draft": self.draft_offload_kqv if self.draft else None}
         return d
 
@@ -138,8 +146,11 @@ class Plan:
                  + (f", GPU {format_bytes(self.gpu_budget_bytes)}" if self.gpu_budget_bytes else "")
                  + f" ({self.hardware.kind} memory): " + ("fits" if self.fits else "does NOT fit")]
         lines.append(f"  context {s.n_ctx} (allocated {padded_ctx(s.n_ctx)}), KV {s.type_k}/{s.type_v}, flash attention "
-                     f"{'on' if s.flash_attn else 'auto'}, ubatch {s.n_batch}, weights "
-                     f"{'mmap' if s.use_mmap else 'read'}")
+                     f"{'on' if s.flash_attn else 'off' if s.flash_attn is False else 'auto'}, ubatch {s.n_batch}, "
+                     f"weights {'mmap' if s.use_mmap else 'read'}")
+        if s.parallel > 1:
+            lines.append(f"  {s.parallel} slots of {s.n_ctx // s.parallel} tokens in one KV pool, up to "
+                         f"{s.target_settings().n_outputs_max} logits rows per pass")
         no_gpu = " (no GPU)" if self.hardware.kind == "cpu" else ""
         lines.append(f"  target: GPU layers {s.target_gpu_layers}{no_gpu}, offload_kqv {s.target_offload_kqv}")
         if self.draft and s.draft:
@@ -197,8 +208,10 @@ def _weight_options(facts: list[ModelFacts], cal: Calibration) -> list[tuple[boo
 
 def candidates(target: ModelFacts, draft: ModelFacts | None, *, contexts: tuple[int, ...], max_draft: int,
                hw: Hardware, cal: Calibration,
-               kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER) -> Iterator[PlanSettings]:
+               kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER, parallel: int = 1) -> Iterator[PlanSettings]:
     """Every setting the planner may choose, most preferred first."""
+    if parallel > 1:  # flash attention off: a quantized V cache is not possible
+        kv_ladder = tuple((k, v) for k, v in kv_ladder if v in ("f32", "f16", "bf16"))
     for n_ctx in contexts:
         for draft_on in ((True, False) if draft is not None else (False,)):
             models = [target] + ([draft] if draft_on else [])
@@ -215,26 +228,28 @@ def candidates(target: ModelFacts, draft: ModelFacts | None, *, contexts: tuple[
                             yield PlanSettings(n_ctx=n_ctx, type_k=type_k, type_v=type_v, n_batch=n_batch,
                                                use_mmap=use_mmap, target_gpu_layers=t_gpu,
                                                target_offload_kqv=t_kqv, draft=draft_on,
-                                               draft_gpu_layers=d_gpu, draft_offload_kqv=d_kqv, max_draft=k)
+                                               draft_gpu_layers=d_gpu, draft_offload_kqv=d_kqv, max_draft=k,
+                                               parallel=parallel)
 
 
 def setup_for(settings: PlanSettings, target: ModelFacts, draft: ModelFacts | None, hw: Hardware,
               sampling: bool = True) -> Setup:
     return Setup(target=target, target_settings=settings.target_settings(),
                  draft=draft if settings.draft else None, draft_settings=settings.draft_settings(),
-                 max_draft=settings.max_draft, sampling=sampling, hardware=hw)
+                 max_draft=settings.max_draft, sampling=sampling, hardware=hw, parallel=settings.parallel)
 
 
 def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, budget: int,
          gpu_budget: int | None = None, ctx: int | None = None, max_draft: int | None = None,
          sampling: bool = True, hardware: Hardware | None = None, calibration: Calibration | None = None,
          base_bytes: int | None = None, reserve_bytes: int = 0,
-         kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER) -> Plan:
+         kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER, parallel: int = 1) -> Plan:
     """Choose settings for target (+ draft) that fit `budget` bytes (see the module docstring).
 
     target/draft: model files (resolve catalog names with `edgespec.models.store.resolve` first).
     base_bytes: the planning process's own resident set when it will load the models itself.
     reserve_bytes: host memory the caller will hold besides the engine (a server's prefix cache).
+    parallel: slots sharing the KV pool; `ctx` is then the pool (each slot gets ctx / parallel).
     """
     if budget <= 0:
         raise EdgespecError("--budget must be a positive size, like 2G or 800M")
@@ -249,11 +264,16 @@ def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, b
         raise EdgespecError("--ctx must be >= 1")
     contexts = (ctx,) if ctx else tuple(c for c in CTX_LADDER if not t_facts.n_ctx_train or c <= t_facts.n_ctx_train)
     contexts = contexts or (CTX_LADDER[-1],)
+    if parallel > 1:
+        from edgespec.slots import slot_context
+
+        contexts = contexts if ctx else tuple(c * parallel for c in contexts)
+        slot_context(contexts[0], parallel)  # a pool too small for the slots is said at once
 
     cheapest: tuple[int, PlanSettings, Prediction] | None = None
     cheapest_gpu: int | None = None
     for settings in candidates(t_facts, d_facts if k_max > 0 else None, contexts=contexts, max_draft=k_max,
-                               hw=hw, cal=cal, kv_ladder=kv_ladder):
+                               hw=hw, cal=cal, kv_ladder=kv_ladder, parallel=parallel):
         pred = _reserve(predict(setup_for(settings, t_facts, d_facts, hw, sampling), cal, base_bytes=base_bytes),
                         reserve_bytes)
         if _fits(pred, budget, gpu_budget, hw):
@@ -270,7 +290,7 @@ def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, b
             cheapest_gpu = need_gpu if cheapest_gpu is None else min(cheapest_gpu, need_gpu)
     if cheapest is None:  # nothing within the GPU budget: report the least host memory regardless
         settings = PlanSettings(n_ctx=contexts[-1], type_k=kv_ladder[-1][0], type_v=kv_ladder[-1][1],
-                                n_batch=BATCH_LADDER[-1], use_mmap=False)
+                                n_batch=BATCH_LADDER[-1], use_mmap=False, parallel=parallel)
         pred = _reserve(predict(setup_for(settings, t_facts, None, hw, sampling), cal, base_bytes=base_bytes),
                         reserve_bytes)
         cheapest = (pred.peak_bytes + _margin(pred.peak_bytes), settings, pred)
@@ -367,6 +387,45 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
     return engine, the_plan
 
 
+def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.PathLike | None, *, parallel: int,
+                          budget: int | str, ctx: int | None = None, max_draft: int | None = None,
+                          n_threads: int | None = None, verbose: bool = False, reserve_bytes: int = 0):
+    """`serve --parallel N --budget B`: plan the N slots' pool, load exactly that; (ParallelEngine, plan).
+
+    No memory guard watches the slots at run time (each request's KV is bounded by its slot); the
+    plan's peak is the one a full pool and N verify passes reach.
+    """
+    from edgespec.memory import current_rss, parse_size
+    from edgespec.models import catalog, store
+    from edgespec.runtimes import llamacpp
+    from edgespec.slots import ParallelEngine, slot_context
+
+    budget_b = parse_size(budget)
+    target_path = store.resolve(target or catalog.DEFAULT_MODEL)
+    draft_path = store.resolve(draft) if draft else None
+    info = llamacpp.backend_info()
+    cal = calibrate(build=info["build"], system_info=info["system_info"], announce=True)
+    hw = Hardware.detect(use_gpu=None if info["gpu_offload"] else False)
+    the_plan = plan(target_path, draft_path, budget=budget_b, ctx=ctx, max_draft=max_draft, hardware=hw,
+                    calibration=cal, base_bytes=current_rss(), reserve_bytes=reserve_bytes, parallel=parallel)
+    if not the_plan.fits:
+        raise EdgespecError(the_plan.failure_message())
+    s = the_plan.settings
+    per_slot = slot_context(s.n_ctx, parallel)
+    t_opts = llamacpp.LlamaCppOptions(n_threads=n_threads, verbose=verbose, **s.target_settings().runtime_options())
+    target_rt = llamacpp.LlamaCppMultiSeqRuntime(target_path, t_opts, n_seq=parallel)
+    try:
+        draft_rt = None
+        if s.draft:
+            d_opts = llamacpp.LlamaCppOptions(n_threads=n_threads, verbose=verbose,
+                                              **s.draft_settings().runtime_options())
+            draft_rt = llamacpp.LlamaCppMultiSeqRuntime(draft_path, d_opts, n_seq=parallel)
+        return ParallelEngine(target_rt, draft_rt, slot_ctx=per_slot), the_plan
+    except BaseException:
+        target_rt.close()
+        raise
+
+
 def release_draft(engine) -> None:
     """Drop an engine's draft model and give its memory back (the guard's last resort before stopping)."""
     runtime = engine.draft_runtime
@@ -377,7 +436,7 @@ def release_draft(engine) -> None:
 
 
 def plan_for_cli(target: str | None, draft: str | None, *, budget: str, gpu_budget: str | None = None,
-                 ctx: int | None = None, max_draft: int | None = None) -> Plan:
+                 ctx: int | None = None, max_draft: int | None = None, parallel: int = 1) -> Plan:
     """`edgespec plan`: resolve names, calibrate (once per build), plan for a fresh process."""
     from edgespec.memory import parse_size
     from edgespec.models import catalog, store
@@ -390,8 +449,8 @@ def plan_for_cli(target: str | None, draft: str | None, *, budget: str, gpu_budg
     hw = Hardware.detect(use_gpu=None if info["gpu_offload"] else False)
     return plan(target_path, draft_path, budget=parse_size(budget),
                 gpu_budget=parse_size(gpu_budget) if gpu_budget else None, ctx=ctx, max_draft=max_draft,
-                hardware=hw, calibration=cal)
+                hardware=hw, calibration=cal, parallel=parallel)
 
 
-__all__ = ["Plan", "PlanSettings", "apply_budget", "candidates", "plan", "plan_for_cli", "release_draft",
+__all__ = ["Plan", "PlanSettings", "apply_budget", "apply_budget_parallel", "candidates", "plan", "plan_for_cli", "release_draft",
            "setup_for"]

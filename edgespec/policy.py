@@ -10,6 +10,9 @@ rates a_1..a_k (each conditional on the previous ones passing), one round emits 
 and plain decoding is E(0) / T(0) = 1 / verify(1). The policy picks the (drafter, k) with the best
 E/T, so it never picks a setting it predicts to be slower than plain decoding.
 
+With parallel slots (edgespec.slots) other requests put R rows into the same pass; what this
+request's k + 1 rows cost is then the marginal verify(R + k + 1) - verify(R) (`rows_besides` = R).
+
 Where the rates come from: the model-free drafters (prompt lookup, suffix) cost nothing to ask, so
 every round asks each of them for its longest proposal, used or not, and scores it against the
 tokens later rounds commit (ShadowScorer). Their estimates therefore cover every position up to
@@ -216,6 +219,7 @@ class AdaptivePolicy:
         self.calibration = ConfidenceCalibration()  # the suffix drafter's confidence -> acceptance
         self.shadows = ShadowScorer()
         self._round_start = 0
+        self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
 
     @property
     def drafters(self) -> list[Drafter]:
@@ -227,12 +231,20 @@ class AdaptivePolicy:
         it first pays, so a generation that ends up with lookup or nothing starts as fast as plain."""
         return []
 
+    def _pass(self, n: int) -> float:
+        """What n rows of this request add to the target pass: verify(R + n) - verify(R)."""
+        r = self.rows_besides
+        return self.profile.verify(r + n) - self.profile.verify(r) if r else self.profile.verify(n)
+
     def plain_speed(self) -> float:
-        return 1.0 / self._verify[0]
+        return 1.0 / self._verify_costs(0)[0]
 
     def _verify_costs(self, k: int) -> np.ndarray:
-        """verify(n) for n = 1 .. k + 1."""
-        return self._verify[:k + 1]
+        """The pass's cost of n = 1 .. k + 1 rows of this request: verify(n) alone (computed once), the
+        marginal verify(R + n) - verify(R) beside R rows of other requests."""
+        if not self.rows_besides:
+            return self._verify[:k + 1]
+        return np.array([self._pass(n) for n in range(1, k + 2)])
 
     def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:
         """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""
@@ -317,7 +329,7 @@ class AdaptivePolicy:
         tau_token = target_speed * draft_s
 
         def keep_drafting(n: int, confidence: float, product: float) -> bool:
-            step = draft_s + self.profile.verify(n + 2) - self.profile.verify(n + 1)
+            step = draft_s + self._pass(n + 2) - self._pass(n + 1)
             return confidence >= tau_token and product >= target_speed * step
 
         return keep_drafting
@@ -332,7 +344,7 @@ class AdaptivePolicy:
         def add_sibling(n_nodes: int, p_alt: float, reach: float) -> bool:
             if added[0] + 1 >= self.max_branches or n_nodes + 2 > self.profile.max_batch:
                 return False
-            step = self.profile.verify(n_nodes + 2) - self.profile.verify(n_nodes + 1)
+            step = self._pass(n_nodes + 2) - self._pass(n_nodes + 1)
             if reach * p_alt >= target_speed * step:
                 added[0] += 1
                 return True

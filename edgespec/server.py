@@ -5,10 +5,11 @@ Speculative decoding runs inside, with the mode and draft chosen at start. Every
 OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and an `edgespec` extension field:
 the speculative stats of the generation, how long it queued, and what the prefix cache did.
 
-Requests are served one at a time in arrival order from a bounded queue (`edgespec.aio`); a full
-queue answers 429. Each request has a time limit, max_tokens and the body size are bounded, a
-client that disconnects cancels its generation, and an API key can be required (it must be when
-binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
+Requests are served one at a time in arrival order from a bounded queue (`edgespec.aio`), or with
+a `ParallelEngine` (`serve --parallel N`) up to N at once, every active request advanced in one
+batched target pass per step (`edgespec.slots`); a full queue answers 429. Each request has a time
+limit, max_tokens and the body size are bounded, a client that disconnects cancels its generation,
+and an API key can be required (it must be when binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
 "param", "code"}}`.
 """
 
@@ -36,6 +37,7 @@ from edgespec.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTi
 from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.prefix_cache import PrefixCache
+from edgespec.slots import ParallelEngine, SlotScheduler, StepFailedError
 
 
 @dataclass(frozen=True)
@@ -168,15 +170,21 @@ def _validation_error(exc: ValidationError) -> ApiError:
 class _Service:
     """What the endpoints share: the engine behind its queue, the limits, the model's name."""
 
-    def __init__(self, engine: Engine, config: ServerConfig):
+    def __init__(self, engine: "Engine | ParallelEngine", config: ServerConfig):
+        parallel = engine if isinstance(engine, ParallelEngine) else None
+        engine = parallel.front if parallel is not None else engine  # slot 0's engine tokenizes for all
         self.engine = engine
         self.config = config
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
         self.started = int(time.time())
         # Refuse a bad mode now, and let `auto` measure its costs before the first request.
         self.mode, _ = engine.policy_for(GenerationConfig(mode=config.mode, draft_max=config.draft_max))
-        self.queue = AsyncEngine(engine, max_queue=config.max_queue, prefix_cache=self.prefix_cache,
-                                 reuse_prefix=config.reuse_prefix)
+        if parallel is not None:  # requests batched step by step, one sequence each
+            self.queue = SlotScheduler(parallel, max_queue=config.max_queue, prefix_cache=self.prefix_cache,
+                                       reuse_prefix=config.reuse_prefix)
+        else:  # one generation at a time
+            self.queue = AsyncEngine(engine, max_queue=config.max_queue, prefix_cache=self.prefix_cache,
+                                     reuse_prefix=config.reuse_prefix)
         t, d = engine.target, engine.draft_runtime
         self.fingerprint = f"edgespec-{t.name}-{t.path.name}" + (f"+{d.path.name}" if d else "")
 
@@ -282,7 +290,8 @@ class _Service:
 
     def extension(self, gen: AsyncGeneration, result: GenerationResult) -> dict:
         return {**result.stats.to_dict(), "finish_reason": result.finish_reason, "queue_s": gen.info.get("queue_s"),
-                "prefix_cache": gen.info.get("prefix_cache"), "draft_max": self.config.draft_max}
+                "prefix_cache": gen.info.get("prefix_cache"), "draft_max": self.config.draft_max,
+                "tokens": result.tokens}  # the generated ids (as llama-server's return_tokens): exact comparisons
 
     def visible_logprobs(self, result: GenerationResult) -> list[TokenLogprob]:
         """The log-probabilities of the tokens whose text was returned (a stop string cuts the rest)."""
@@ -352,13 +361,17 @@ def _result_or_raise(task: asyncio.Future) -> GenerationResult:
         raise ApiError(504, f"{exc}; ask for fewer tokens or try again", "timeout_error", code="timeout") from None
     except ContextOverflowError as exc:
         raise ApiError(400, str(exc), code="context_length_exceeded") from None
+    except StepFailedError as exc:  # the model failed, not the request: another try may pass
+        raise ApiError(503, str(exc), "server_error", code="unavailable", headers={"Retry-After": "1"}) from None
     except EdgespecError as exc:
         raise ApiError(400, str(exc)) from None
 
 
-def create_app(engine: Engine, config: ServerConfig):
-    """The FastAPI app serving `engine`. The engine is used only from the app's worker thread."""
+def create_app(engine: "Engine | ParallelEngine", config: ServerConfig):
+    """The FastAPI app serving `engine` (a `ParallelEngine`: its slots batched). The engine is used only
+    from the app's worker thread."""
     service = _Service(engine, config)
+    engine = service.engine
 
     @asynccontextmanager
     async def lifespan(app):
@@ -399,6 +412,7 @@ def create_app(engine: Engine, config: ServerConfig):
         return {"status": "ok", "model": config.model_id, "mode": service.mode,
                 "queue": {"running": q.running is not None, "waiting": q.waiting, "max_waiting": q.max_queue},
                 "requests": dict(q.counters),
+                "slots": q.stats() if isinstance(q, SlotScheduler) else None,
                 "prefix_cache": service.prefix_cache.stats() if service.prefix_cache is not None else None}
 
     def model_card() -> dict:
@@ -505,6 +519,8 @@ def create_app(engine: Engine, config: ServerConfig):
                         yield _event({**head, "choices": [], "usage": service.usage(result)})
                 except RequestTimeoutError as exc:
                     yield _event(ApiError(504, f"{exc}; ask for fewer tokens", "timeout_error", code="timeout").body())
+                except StepFailedError as exc:
+                    yield _event(ApiError(503, str(exc), "server_error", code="unavailable").body())
                 except EdgespecError as exc:
                     yield _event(ApiError(400, str(exc)).body())
                 except Exception as exc:  # noqa: BLE001 - the status line is sent already: say it in the stream
@@ -528,18 +544,20 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def run_server(engine: Engine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
+def run_server(engine: "Engine | ParallelEngine", config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
                verbose: bool = False, ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM); HTTPS when given a certificate and its key."""
     import uvicorn
 
     app = create_app(engine, config)
     service = app.state.service
+    slots = f", {engine.n_slots} slots x {engine.slot_ctx} tokens" if isinstance(engine, ParallelEngine) else ""
+    engine = service.engine
     draft = f", draft {engine.draft_runtime.path.name}" if engine.draft_runtime else ""
     shown = f"[{host}]" if ":" in host else host
     scheme = "https" if ssl_certfile else "http"
     print(f"edgespec serve: {scheme}://{shown}:{port}/v1 serving {config.model_id!r} (mode {service.mode}{draft}, "
-          f"context {engine.target.n_ctx}, queue {config.max_queue}, "
+          f"context {engine.target.n_ctx}{slots}, queue {config.max_queue}, "
           f"{'API key required' if config.api_keys else 'no API key'})", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, host=host.strip("[]"), port=port, log_level="info" if verbose else "warning",
                                   access_log=verbose, timeout_graceful_shutdown=5,

@@ -761,3 +761,102 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
                 outs[entry][r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         self._max_logit_rows = max(self._max_logit_rows, sum(len(o) for o in outs))
         return outs
+
+    # -- one sequence seen as a one-sequence runtime (the parallel slots of `serve --parallel`) -----
+
+    def sequence(self, seq: int, n_ctx: int) -> "LlamaCppSequence":
+        """Sequence `seq` as a `Runtime` of its own with room for `n_ctx` tokens (its share of the pool),
+        so the engine's step functions run on it unchanged while `decode_batch` batches every slot."""
+        self._check_seq(seq)
+        return LlamaCppSequence(self, seq, n_ctx)
+
+    def seq_save_state(self, seq: int) -> bytes:
+        """The KV of one sequence as llama.cpp serialises it (format tied to the build)."""
+        self._check_seq(seq)
+        size = ll.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = ll.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return ctypes.string_at(buf, written)
+
+    def seq_load_state(self, seq: int, blob: bytes, tokens: Sequence[int]) -> None:
+        """Restore KV saved by `seq_save_state` (of any sequence) into `seq`, for exactly these tokens."""
+        self.seq_clear(seq)
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if ll.llama_state_seq_set_data(self._ctx, buf, len(blob), seq) == 0:
+            raise EdgespecError("llama.cpp refused the saved KV state (different model or build, or the KV pool "
+                                "is full); start a new session")
+        self._seq_tokens[seq] = [int(t) for t in tokens]
+
+
+class LlamaCppSequence:
+    """One sequence of a `LlamaCppMultiSeqRuntime` behind the one-sequence `Runtime` protocol.
+
+    `decode` is a batch of this sequence alone; a scheduler that wants one pass over every slot calls
+    the owner's `decode_batch` instead and then uses this view for rollback (`truncate`) as usual.
+    Holds no memory of its own: the KV cells come from the owner's unified pool.
+    """
+
+    def __init__(self, owner: LlamaCppMultiSeqRuntime, seq: int, n_ctx: int):
+        self.owner = owner
+        self.seq = seq
+        self.n_ctx = n_ctx
+        self.name = owner.name
+        self.path = owner.path
+        self.vocab = owner.vocab
+        self.n_vocab = owner.n_vocab
+        self.n_batch = owner.n_batch
+        self.n_threads = owner.n_threads
+        # one sequence, no tree branches, and its share of the rows a pass may return
+        rows = owner.options.n_outputs_max
+        self.options = replace(owner.options, n_seq_max=1, n_ctx=n_ctx,
+                               n_outputs_max=max(1, rows // owner.n_seq) if rows else 0)
+
+    @property
+    def n_past(self) -> int:
+        return self.owner.seq_n_past(self.seq)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.owner.seq_tokens(self.seq)
+
+    def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if self.n_past + len(ids) > self.n_ctx:
+            raise ContextOverflowError(f"the context of {self.n_ctx} tokens is full ({self.n_past} held, "
+                                       f"{len(ids)} more asked); use a larger --ctx or a shorter prompt")
+        return self.owner.decode_batch([(self.seq, ids, n_logits)])[0]
+
+    def truncate(self, n: int) -> None:
+        self.owner.seq_truncate(self.seq, n)
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.owner.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.owner.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self.owner.token_text(token)
+
+    def chat_template(self) -> str | None:
+        return self.owner.chat_template()
+
+    def metadata(self, key: str) -> str | None:
+        return self.owner.metadata(key)
+
+    def compatibility_key(self) -> dict:
+        # Costs and saved state of a sequence in a shared pool (no flash attention) are their own kind.
+        return {**self.owner.compatibility_key(), "n_ctx": self.n_ctx, "sequences": self.owner.n_seq}
+
+    def save_state(self) -> bytes:
+        return self.owner.seq_save_state(self.seq)
+
+    def load_state(self, blob: bytes, tokens: Sequence[int]) -> None:
+        self.owner.seq_load_state(self.seq, blob, tokens)
+
+    def memory(self) -> MemoryReport:
+        """A share of the owner: its KV cells (n_ctx of the pool); weights and buffers are the owner's."""
+        return MemoryReport(weights=0, kv_cache=int(self.owner.kv_bytes_per_token() * self.n_ctx), logits=0)
+
+    def close(self) -> None:
+        pass  # the owner closes the context

@@ -365,3 +365,20 @@ def test_saved_session_with_quantized_kv_and_a_draft_continues_identically(smoll
         with pytest.raises(EdgespecError, match="type_k differs"):
             load_state(tmp_path / "s.state", {"target": c.target, "draft": c.draft_runtime})
         assert c.target.n_past == 0
+
+
+def test_parallel_slots_plan_one_pool_and_every_slots_rows(smollm2_path, cal):
+    """--parallel N: --ctx is the pool the slots share (same KV bytes), N x (k + 1) logits rows per pass,
+    flash attention off; a pool too small for the slots is refused in one line."""
+    from edgespec.slots import SlotsError
+
+    one = plan(smollm2_path, budget=2 << 30, ctx=4096, hardware=Hardware(), calibration=cal)
+    four = plan(smollm2_path, budget=2 << 30, ctx=4096, hardware=Hardware(), calibration=cal, parallel=4)
+    assert four.fits and four.settings.parallel == 4 and four.settings.flash_attn is False
+    assert four.settings.target_settings().n_outputs_max == 4 * one.settings.target_settings().n_outputs_max
+    assert four.prediction.host["target.kv"] == one.prediction.host["target.kv"]
+    assert four.prediction.host["verification"] == 4 * one.prediction.host["verification"]
+    assert four.predicted_peak_bytes > one.predicted_peak_bytes
+    assert any("4 slots of 1024 tokens" in line for line in four.summary_lines())
+    with pytest.raises(SlotsError, match="per slot"):
+        plan(smollm2_path, budget=2 << 30, ctx=1024, hardware=Hardware(), calibration=cal, parallel=16)

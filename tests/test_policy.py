@@ -244,3 +244,19 @@ def test_auto_on_this_cpu_never_predicts_a_loss(smollm2_path):
         profile = engine.cost_profile()
     assert result.stats.mode == "auto" and set(profile.verify_s) >= {1, 2, 4, 8, 17}  # the curve spans k = 0 .. 16
     assert all(v > 0 for v in profile.verify_s.values())
+
+
+def test_rows_other_requests_add_to_the_pass_are_weighed():
+    """Parallel slots: a pass that is flat up to 8 rows and then costs a step per row. Alone, a long
+    draft rides the flat part; behind 8 rows of other requests every row of this one costs a full step,
+    so the same acceptance no longer pays and the policy decodes plainly."""
+    sizes = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+    profile = CostProfile({n: 10 * MS + max(0, n - 8) * 5 * MS for n in sizes}, 1 * MS, 1.2 * MS, 0.05 * MS)
+    draft = _Named("draft")
+    policy = with_acceptance(AdaptivePolicy(profile, None, draft, k_max=6), "draft", 0.7)
+    alone = policy.choose(make_state([1, 2, 3]))
+    assert alone.drafter is draft and alone.k >= 3
+    policy.rows_besides = 8
+    assert policy.plain_speed() == pytest.approx(1 / (5 * MS))  # one more row past the flat part
+    behind = policy.choose(make_state([1, 2, 3]))
+    assert behind.k == 0 and behind.drafter is None
