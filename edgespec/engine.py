@@ -150,6 +150,7 @@ class Verification:
     token: int          # the target's correction, or the bonus token when the whole draft passed
     logits: np.ndarray | None = None  # the target's raw rows, one per position fed
     path: tuple[int, ...] | None = None  # a tree: the accepted nodes (1-based draft indices)
+    pass_s: float | None = None  # seconds the target's pass over a chain took (auto learns its costs from it)
 
     @property
     def accepted(self) -> np.ndarray:
@@ -371,9 +372,10 @@ class Engine:
             return self.verify_tree_step(state, draft)
         t = time.perf_counter()
         logits = self.target.decode(self.verify_feed(state, draft), len(draft) + 1)
+        pass_s = time.perf_counter() - t
         verification = self.verify_accept(state, draft, logits, verifier)
         state.stats.verify_s += time.perf_counter() - t
-        return verification
+        return replace(verification, pass_s=pass_s)
 
     def verify_feed(self, state: SpeculativeState, draft: Draft) -> np.ndarray:
         """The tokens a verify pass appends; the pass returns logits of the last len(draft) + 1.
@@ -487,7 +489,7 @@ class Engine:
         name = choice.drafter.name if choice.drafter is not None and len(verification.draft) else "none"
         new = self.accept_step(state, verification, name)
         policy.observe(choice, len(verification.draft), verification.n_accepted,
-                       np.append(verification.accepted, verification.token))
+                       np.append(verification.accepted, verification.token), pass_s=verification.pass_s)
         return new
 
     # -- public API ---------------------------------------------------------------------------

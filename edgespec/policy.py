@@ -72,7 +72,9 @@ class Policy(Protocol):
 
     def choose(self, state: "SpeculativeState") -> Choice: ...
 
-    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None: ...
+    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
+                pass_s: float | None = None) -> None:
+        """What the round emitted; `pass_s`: how long its target pass over n_drafted + 1 rows took."""
 
 
 class FixedPolicy:
@@ -93,7 +95,8 @@ class FixedPolicy:
         k = min(self.k, state.remaining - 1)
         return Choice(self.drafter, k) if k > 0 else NO_DRAFT
 
-    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None:
+    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
+                pass_s: float | None = None) -> None:
         pass
 
 
@@ -202,6 +205,34 @@ class ShadowScorer:
         return judged
 
 
+class OnlineCosts:
+    """verify(n) as this generation's own passes measure it, over the profile's curve as a prior.
+
+    A profile is measured once, in seconds, and a busy machine bends it (measured here: a 2-row pass
+    "cheaper" than a 1-row one). Every round times its pass, so the sizes auto uses are soon known
+    as they are now; sizes not seen yet follow the profile, scaled by how the seen ones compare to
+    it. A pass never costs less for more rows, so the curve is kept non-decreasing.
+    """
+
+    ALPHA = 0.2        # weight of the newest timing of a size
+    MIN_SAMPLES = 2    # timings of a size before they replace the profile's figure
+
+    def __init__(self, prior: np.ndarray):
+        self.prior = np.maximum.accumulate(prior)
+        self.mean = np.zeros(len(prior))
+        self.count = np.zeros(len(prior), dtype=np.int64)
+
+    def observe(self, n_rows: int, seconds: float) -> None:
+        i = n_rows - 1
+        self.mean[i] = seconds if self.count[i] == 0 else self.mean[i] + self.ALPHA * (seconds - self.mean[i])
+        self.count[i] += 1
+
+    def curve(self) -> np.ndarray:
+        seen = self.count >= self.MIN_SAMPLES
+        scale = float(np.median(self.mean[seen] / self.prior[seen])) if seen.any() else 1.0
+        return np.maximum.accumulate(np.where(seen, self.mean, self.prior * scale))
+
+
 class AdaptivePolicy:
     """Speculate only when it pays, by the measured costs and the acceptance seen so far."""
 
@@ -214,8 +245,10 @@ class AdaptivePolicy:
         self.k_max = max(1, min(k_max, profile.max_batch - 1))
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
-        # verify(n) for n = 1 .. k_max + 1, read every round: interpolated once, not per round.
-        self._verify = np.array([profile.verify(n) for n in range(1, self.k_max + 2)])
+        # verify(n) for n = 1 .. k_max + 1, read every round: the profile's, corrected by the passes
+        # this generation times (OnlineCosts), computed once per change rather than per round.
+        self.costs = OnlineCosts(np.array([profile.verify(n) for n in range(1, self.k_max + 2)]))
+        self._verify = self.costs.curve()
         self.calibration = ConfidenceCalibration()  # the suffix drafter's confidence -> acceptance
         self.shadows = ShadowScorer()
         self._round_start = 0
@@ -352,7 +385,11 @@ class AdaptivePolicy:
 
         return add_sibling
 
-    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray) -> None:
+    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
+                pass_s: float | None = None) -> None:
+        if pass_s and not self.rows_besides and n_drafted < len(self._verify):
+            self.costs.observe(n_drafted + 1, pass_s)
+            self._verify = self.costs.curve()
         if choice.drafter is not None and choice.drafter is self.draft_model:
             self.estimates[choice.drafter.name].update(n_drafted, n_accepted)
         # Model-free drafters learn from their shadow proposals alone (the drafted tokens are a

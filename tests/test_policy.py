@@ -260,3 +260,28 @@ def test_rows_other_requests_add_to_the_pass_are_weighed():
     assert policy.plain_speed() == pytest.approx(1 / (5 * MS))  # one more row past the flat part
     behind = policy.choose(make_state([1, 2, 3]))
     assert behind.k == 0 and behind.drafter is None
+
+
+def test_auto_corrects_a_profile_that_a_busy_machine_bent():
+    """A profile measured under load (a 2-row pass 'cheaper' than one row) is mended by the passes
+    the generation times itself: once the real cost of k = 1 is seen, auto stops paying for it."""
+    from edgespec.policy import NO_DRAFT
+
+    bent = CostProfile({1: 40 * MS, 2: 30 * MS, 4: 100 * MS, 8: 80 * MS, 17: 300 * MS}, None, None, 0.0)
+    policy = AdaptivePolicy(bent, PromptLookupDrafter(), None, k_max=8)
+    assert np.all(np.diff(policy._verify) >= 0)  # never cheaper for more rows
+    policy.estimates["lookup"].hits[:] = 0.6 * policy.estimates["lookup"].trials
+
+    def true_cost(rows):  # this CPU: each extra row costs 0.8 of a step
+        return 10 * MS * (1 + 0.8 * (rows - 1))
+
+    for _ in range(2):  # the first rounds are plain (the first token; no match to copy yet)
+        policy.observe(NO_DRAFT, 0, 0, np.array([1]), pass_s=true_cost(1))
+    context = [5, 6, 7, 8, 9, 5, 6, 7]
+    chosen = []
+    for _ in range(8):
+        choice = policy.choose(make_state(context))
+        policy.observe(choice, choice.k, 0, np.array([99]), pass_s=true_cost(choice.k + 1))
+        policy.estimates["lookup"].hits[:] = 0.6 * policy.estimates["lookup"].trials  # acceptance stays 0.6
+        chosen.append(choice.k)
+    assert chosen[0] > 0 and chosen[-3:] == [0, 0, 0], chosen  # tried on the bent curve, then corrected
