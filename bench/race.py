@@ -144,7 +144,7 @@ def cpp_run(tool: Path, args: list[str], prompt_text: str, *, threads: int, ctx:
 
 # --- the run ---------------------------------------------------------------------------------------
 
-def run_model(setup, args, threads: int, log) -> list[Run]:
+def run_model(setup, args, threads: int, log, record=None) -> list[Run]:
     from edgespec.engine import Engine
     from edgespec.models import store
 
@@ -171,7 +171,7 @@ def run_model(setup, args, threads: int, log) -> list[Run]:
     conversations = load_workloads()["conversations"][:args.limit]
     per_category = min(args.per_category, args.limit) if args.limit else args.per_category
     groups: list[list[Item]] = [shipped_items(per_category), structured_items()[:args.limit]]
-    runs: list[Run] = []
+    runs: list[Run] = _Recorded(record)
     references: dict[str, list[int]] = {}
 
     def race(item: Item, history: list[list[int]]) -> None:
@@ -212,6 +212,21 @@ def run_model(setup, args, threads: int, log) -> list[Run]:
             done.append(item.id)
     engine.close()
     return runs
+
+
+class _Recorded(list):
+    """A list of runs that also appends each run to a JSON-lines file as it comes, so a run that is
+    stopped early can still be summarised (--from-runs)."""
+
+    def __init__(self, path: Path | None):
+        super().__init__()
+        self.path = path
+
+    def append(self, run: Run) -> None:
+        super().append(run)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(run.__dict__) + "\n")
 
 
 # --- summary -----------------------------------------------------------------------------------
@@ -395,6 +410,8 @@ def parse_args(argv):
     p.add_argument("--limit", type=int, default=None, help="a quick check: at most this many shipped prompts per category, structured requests, "
                    "conversations and turns")
     p.add_argument("--out", type=Path, default=Path("bench/out/race"))
+    p.add_argument("--from-runs", type=Path, nargs="+", default=None,
+                   help="summarise runs.jsonl files of earlier (possibly stopped) runs instead of running")
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(",") if k]
     args.cpp_ks = [int(k) for k in args.cpp_ks.split(",") if k]
@@ -412,18 +429,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
     machine = describe_machine()
+    args.out.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
-    for name in args.models.split(","):
-        [setup] = setups(name)
-        for threads in [int(t) for t in args.threads.split(",")]:
-            print(f"{setup.name}, {threads} thread(s)", file=sys.stderr, flush=True)
-            runs += run_model(setup, args, threads, sys.stderr)
+    if args.from_runs:
+        for path in args.from_runs:
+            runs += [Run(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        record = args.out / "runs.jsonl"
+        record.unlink(missing_ok=True)
+        for name in args.models.split(","):
+            [setup] = setups(name)
+            for threads in [int(t) for t in args.threads.split(",")]:
+                print(f"{setup.name}, {threads} thread(s)", file=sys.stderr, flush=True)
+                runs += run_model(setup, args, threads, sys.stderr, record)
     summary = summarize(runs)
     doc = {"command": "python -m edgespec.bench.race " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "timing": TIMING, "seconds": time.time() - t0,
            "load_average_end": [round(x, 2) for x in os.getloadavg()], "summary": summary}
     doc["goals"] = goals(summary)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "race.json").write_text(json.dumps({**doc, "runs": [r.__dict__ for r in runs]}, indent=1))
     (args.out / "RACE_RESULTS.md").write_text(render(doc))
     plot(doc, args.out / "race_per_prompt.png")
