@@ -117,24 +117,3 @@ def run_node_tests(fixture: dict, workdir: Path, files: list[str], timeout: int 
     for f in glob.glob(f"{out}.*.json"):
         recorded.update(json.loads(Path(f).read_text()))
     return proc, recorded
-
-
-def exact_joint(runtime, prompt: list[int], sampling: dict, n_tokens: int = 2) -> dict[tuple[int, ...], float]:
-    """P(t1..tn | prompt) under the target's processed distribution, by enumeration."""
-    from edgespec.sampling import SamplingParams, token_distribution
-
-    params = SamplingParams(**sampling)
-    joint: dict[tuple[int, ...], float] = {}
-
-    def walk(prefix: tuple[int, ...], mass: float) -> None:
-        if len(prefix) == n_tokens:
-            joint[prefix] = mass
-            return
-        runtime.truncate(0)
-        probs = token_distribution(runtime.decode(prompt + list(prefix), 1)[0], params)
-        for token in np.flatnonzero(probs):
-            walk(prefix + (int(token),), mass * float(probs[token]))
-
-    walk((), 1.0)
-    runtime.truncate(0)
-    return joint

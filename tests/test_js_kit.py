@@ -23,14 +23,13 @@ import pytest
 
 from edgespec.bench.js_bench import run_in_chromium
 from edgespec.engine import GenerationConfig
-from js_kit import (KIT, build_kit, exact_joint, greedy_cases, python_engine, run_node_tests, sampling_chain_cases,
+from js_kit import (KIT, build_kit, greedy_cases, python_engine, run_node_tests, sampling_chain_cases,
                     token_bytes, vocab_facts)
 from lossless import NEAR_TIE_GAP, compare_greedy
-from test_lossless_sampling import chi_square_pvalue
+from test_lossless_sampling import chi_square_pvalue, exact_joint  # the same sampling settings
 
 TINY_CTX = 256
 SMOL_CTX = 1024
-SAMPLING = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
 N_SAMPLES = 1500
 ALPHA = 0.001
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
@@ -138,7 +137,7 @@ def test_kit_on_node_matches_python_on_the_tiny_bundle(kit, tiny_bundle, hf_tiny
         fixture["stats_keys"] = sorted(engine.generate_tokens(prompts[0], GenerationConfig(max_tokens=2)).stats.to_dict())
         # Sampling: a prompt with repeats, so prompt lookup drafts too; 2 tokens, top-k 4: 16 outcomes.
         prompt = prompts[0][:6] * 2
-        joint = exact_joint(engine.target, prompt, SAMPLING)
+        joint = exact_joint(engine.target, prompt, 2)
         base = {"maxTokens": 2, "temperature": 1.0, "topK": 4, "topP": 1.0, "minP": 0.0, "draftMax": 2}
         fixture["sampling"] = [
             {"name": f"sampling {mode}{' wrong' if wrong else ''}", "bundle": "tiny", "prompt": prompt, "n": N_SAMPLES,
