@@ -19,7 +19,7 @@ import numpy as np
 
 from edgespec.runtimes.base import Runtime
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: sizes measured round-robin, coarse first
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
 
