@@ -4,7 +4,9 @@ The drafter matches the longest suffix of the context against everything the mod
 this request's prompt and text so far, and the outputs of earlier requests kept in a bounded
 `SuffixHistory`. Among the occurrences of that suffix it follows the most frequent continuation,
 token by token, as a walk down a suffix tree would, and gives each token a confidence: the share of
-the occurrences still matching that go on with it. Auto weighs that confidence, calibrated against
+the occurrences still matching that go on with it, with a pseudo-count of 1 / tokens matched for
+"something else" (one occurrence after a long match is strong evidence, after a short one weak).
+Auto weighs that confidence, calibrated against
 what the target accepts, like any drafter's (policy.ConfidenceCalibration). The runner-up
 continuation at a position can become a sibling leaf of a token tree where the cost profile says
 a wider pass pays.
