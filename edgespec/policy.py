@@ -387,7 +387,9 @@ class AdaptivePolicy:
 
     def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
                 pass_s: float | None = None) -> None:
-        if pass_s and not self.rows_besides and n_drafted < len(self._verify):
+        # A measured profile (it has a key) is corrected by this generation's timings; one given by
+        # hand (a prediction, a GPU-like curve) is taken as given.
+        if pass_s and self.profile.key and not self.rows_besides and n_drafted < len(self._verify):
             self.costs.observe(n_drafted + 1, pass_s)
             self._verify = self.costs.curve()
         if choice.drafter is not None and choice.drafter is self.draft_model:

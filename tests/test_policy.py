@@ -267,7 +267,8 @@ def test_auto_corrects_a_profile_that_a_busy_machine_bent():
     the generation times itself: once the real cost of k = 1 is seen, auto stops paying for it."""
     from edgespec.policy import NO_DRAFT
 
-    bent = CostProfile({1: 40 * MS, 2: 30 * MS, 4: 100 * MS, 8: 80 * MS, 17: 300 * MS}, None, None, 0.0)
+    bent = CostProfile({1: 40 * MS, 2: 30 * MS, 4: 100 * MS, 8: 80 * MS, 17: 300 * MS}, None, None, 0.0,
+                       key={"measured": "on a busy machine"})  # measured profiles (with a key) are corrected
     policy = AdaptivePolicy(bent, PromptLookupDrafter(), None, k_max=8)
     assert np.all(np.diff(policy._verify) >= 0)  # never cheaper for more rows
     policy.estimates["lookup"].hits[:] = 0.6 * policy.estimates["lookup"].trials
