@@ -28,46 +28,16 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
-from edgespec.bench.serve_bench import QUESTIONS, free_port
+from edgespec.bench.serve_bench import QUESTIONS, running
 
 MODEL = "smollm2-135m"
 SYSTEM = "You are a helpful assistant. Answer in detail."
 CTX = 4096
-
-
-@contextmanager
-def running(cmd: list[str], log: Path, health: str = "/health"):
-    port = free_port()
-    cmd = [c.replace("{port}", str(port)) for c in cmd]
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server never became healthy")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def systems(modes: list[str], threads: int, model_path: Path) -> dict[str, list[str]]:

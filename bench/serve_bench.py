@@ -77,10 +77,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(setup: dict, threads: int | None, log: Path):
+def running(cmd: list[str], log: Path, health: str = "/health"):
+    """A server process started from `cmd` ("{port}" becomes a free port), yielded once healthy, stopped after."""
     port = free_port()
-    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--port", str(port), "--ctx", "4096", *setup["args"]]
-    cmd += ["--threads", str(threads)] if threads else []
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -88,22 +88,31 @@ def server(setup: dict, threads: int | None, log: Path):
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {log.read_text()}")
+                raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the server never became healthy")
             time.sleep(0.3)
-        yield url, " ".join(cmd[2:])
+        yield url
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def server(setup: dict, threads: int | None, log: Path):
+    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--port", "{port}", "--ctx", "4096", *setup["args"]]
+    cmd += ["--threads", str(threads)] if threads else []
+    with running(cmd, log) as url:
+        yield url, " ".join(cmd[2:]).replace("{port}", url.rsplit(":", 1)[1])
 
 
 def stream_chat(url: str, model: str, system: str, question: str, max_tokens: int) -> dict:
