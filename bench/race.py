@@ -324,7 +324,7 @@ def goals(summary: dict) -> list[dict]:
 
 
 def render(doc: dict) -> str:
-    lines = [f"# Race: edgespec against fixed settings and llama.cpp's own tools", "",
+    lines = ["# Race: edgespec against fixed settings and llama.cpp's own tools", "",
              f"Command: `{doc['command']}`  ", f"Machine: {doc['machine']['cpu']}, {doc['machine']['logical_cores']} "
              f"logical cores, {doc['machine']['ram_gib']} GiB; load average at start "
              f"{doc['machine']['load_average_start']}, at end {doc['load_average_end']}; "

@@ -180,7 +180,26 @@ class AsyncGeneration:
             self.cancel()
 
 
-class AsyncEngine:
+class Submitter:
+    """`stream` and `generate` over a `submit(prompt_ids, config, timeout=) -> AsyncGeneration`,
+    shared by the one-at-a-time AsyncEngine and the parallel slots' scheduler."""
+
+    async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
+                     timeout: float | None = None) -> AsyncIterator[Piece]:
+        """Pieces of one generation; breaking out of the loop cancels it."""
+        gen = self.submit(prompt_ids, config, timeout=timeout)
+        async with gen:
+            async for piece in gen:
+                yield piece
+
+    async def generate(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
+                       timeout: float | None = None) -> GenerationResult:
+        gen = self.submit(prompt_ids, config, timeout=timeout)
+        async with gen:
+            return await gen.text()
+
+
+class AsyncEngine(Submitter):
     """An engine behind a worker thread and a bounded FIFO queue, for asyncio callers.
 
     Thread-safe and loop-safe: `submit` may be called from any coroutine; generations run one at a
@@ -228,20 +247,6 @@ class AsyncEngine:
             self._inflight += 1
         self._jobs.put(gen)
         return gen
-
-    async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
-                     timeout: float | None = None) -> AsyncIterator[Piece]:
-        """Pieces of one generation; breaking out of the loop cancels it."""
-        gen = self.submit(prompt_ids, config, timeout=timeout)
-        async with gen:
-            async for piece in gen:
-                yield piece
-
-    async def generate(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
-                       timeout: float | None = None) -> GenerationResult:
-        gen = self.submit(prompt_ids, config, timeout=timeout)
-        async with gen:
-            return await gen.text()
 
     def close(self) -> None:
         """Cancel what is running, drop what waits, stop the worker."""

@@ -32,11 +32,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from edgespec.aio import AsyncGeneration, Piece, QueueFullError, RequestTimeoutError
+from edgespec.aio import AsyncGeneration, Piece, QueueFullError, RequestTimeoutError, Submitter
 from edgespec.engine import Engine, GenerationConfig, GenerationResult, SpeculativeState, TextAssembler
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.base import common_prefix_length, sync_to
@@ -156,7 +156,7 @@ class _Slot:
         return out
 
 
-class SlotScheduler:
+class SlotScheduler(Submitter):
     """A `ParallelEngine` behind one worker thread, for asyncio callers; `AsyncEngine`'s interface.
 
     Up to n_slots requests run at once, batched step by step; `max_queue` more wait for a free slot
@@ -227,19 +227,6 @@ class SlotScheduler:
             self._inflight += 1
         self._jobs.put(gen)
         return gen
-
-    async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
-                     timeout: float | None = None) -> AsyncIterator[Piece]:
-        gen = self.submit(prompt_ids, config, timeout=timeout)
-        async with gen:
-            async for piece in gen:
-                yield piece
-
-    async def generate(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
-                       timeout: float | None = None) -> GenerationResult:
-        gen = self.submit(prompt_ids, config, timeout=timeout)
-        async with gen:
-            return await gen.text()
 
     def close(self) -> None:
         """Cancel what runs, drop what waits, stop the worker."""
