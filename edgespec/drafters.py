@@ -109,7 +109,9 @@ class PromptLookupDrafter:
     """Drafts by copying: find the latest earlier occurrence of the context's last n tokens and
     propose what followed it (Saxena 2023; llama.cpp's lookup). Costs a vectorised scan, no model.
 
-    Tries n from `ngram_max` down to `ngram_min`; the draft never runs past the end of the context.
+    The longest match wins (n from `ngram_max` down to `ngram_min`), the latest among equals; the
+    draft never runs past the end of the context. Auto asks it every round, so one scan for the last
+    token and then at most ngram_max - 1 compares over the candidates it found, not a scan per n.
     """
 
     name = "lookup"
@@ -124,16 +126,19 @@ class PromptLookupDrafter:
         pass
 
     def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
-        n_ctx = len(context)
-        for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
-            suffix = context[n_ctx - n:]
-            # Windows starting at 0 .. n_ctx-n-1: each has at least one token after it.
-            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return Draft(context[start:start + k].astype(np.int32))
-        return EMPTY_DRAFT
+        # Ends of earlier occurrences of the last token (each with at least one token after it),
+        # extended leftward while they keep matching the context's tail, up to ngram_max tokens.
+        ends = np.flatnonzero(context[:-1] == context[-1])
+        matched = np.ones(len(ends), dtype=np.int64)
+        for j in range(1, self.ngram_max):
+            live = (matched == j) & (ends >= j)
+            if not live.any():
+                break
+            matched[live] += context[ends[live] - j] == context[-1 - j]
+        if not ends.size or matched.max() < self.ngram_min:
+            return EMPTY_DRAFT
+        start = int(ends[np.flatnonzero(matched == matched.max())[-1]]) + 1
+        return Draft(context[start:start + k].astype(np.int32))
 
 
 def _top_probability(logits: np.ndarray) -> float:
