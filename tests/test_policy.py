@@ -76,6 +76,30 @@ def test_lookup_is_bounded_by_the_match():
     assert policy.choose(make_state([1, 2, 3, 4])).k == 0  # nothing to copy: plain decoding
 
 
+def _lookup_by_definition(context, k, ngram_max, ngram_min):
+    """Prompt lookup as defined: for n = ngram_max down to ngram_min, the latest earlier window equal
+    to the last n tokens (one with a token after it); propose what followed it."""
+    for n in range(min(ngram_max, len(context) - 1), ngram_min - 1, -1):
+        for start in range(len(context) - 1 - n, -1, -1):
+            if list(context[start:start + n]) == list(context[-n:]):
+                return list(context[start + n:start + n + k])
+    return []
+
+
+def test_lookup_takes_the_longest_match_then_the_latest():
+    lookup, sampler = PromptLookupDrafter(), Sampler(SamplingParams(temperature=0), 0)
+    # "1 2 3" (3 tokens) beats the later "7 3" (only "3" matches); among equal matches the latest wins.
+    assert list(lookup.propose(np.array([1, 2, 3, 9, 7, 3, 8, 1, 2, 3]), 3, sampler).tokens) == [9, 7, 3]
+    assert list(lookup.propose(np.array([5, 3, 6, 5, 3, 7, 5, 3]), 2, sampler).tokens) == [7, 5]
+    assert len(PromptLookupDrafter(4, 2).propose(np.array([1, 3, 2, 3]), 4, sampler)) == 0  # 1 < ngram_min
+    rng = np.random.default_rng(0)  # and exactly the definition, on many small-alphabet contexts
+    for _ in range(3000):
+        context = rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 40))
+        for ngram_max, ngram_min in ((4, 1), (3, 2), (1, 1)):
+            got = PromptLookupDrafter(ngram_max, ngram_min).propose(context, 6, sampler).tokens
+            assert list(got) == _lookup_by_definition(context, 6, ngram_max, ngram_min), (context, ngram_max)
+
+
 def test_a_break_even_speculation_is_not_taken():
     """Lookup k = 1 at a verify(2) / verify(1) of 1.32 (this CPU): 36 % acceptance predicts 1.03x,
     inside the margin, so plain decoding; 60 % predicts 1.21x, so lookup."""
