@@ -112,21 +112,32 @@ def test_history_file_round_trip_and_refusals(tmp_path):
 def test_auto_weighs_suffix_confidence_as_calibrated_by_the_target():
     calibration = ConfidenceCalibration()
     confident = np.array([0.99, 0.99, 0.99])
-    before = calibration.rates(confident)[0]
-    for _ in range(20):  # the target keeps rejecting the first token
+    unconfirmed = calibration.rates(confident)[0]
+    assert unconfirmed < 0.5  # a drafter's word alone earns no more than a coin flip
+    for _ in range(20):  # the target confirms it
+        calibration.decay_step()
+        calibration.record(confident, 3, False)
+    confirmed = calibration.rates(confident)[0]
+    assert confirmed > 0.9
+    for _ in range(40):  # then keeps rejecting the first token
         calibration.decay_step()
         calibration.record(confident, 0, True)
-    assert calibration.rates(confident)[0] < before / 3
+    assert calibration.rates(confident)[0] < min(0.5, confirmed / 3)
 
     from edgespec.profile import CostProfile
 
     drafter = drafter_with([1, 2, 3, 4, 5, 6, 7, 8])
     cheap = CostProfile({n: 10 * MS * (1 + 0.2 * (n - 1)) for n in (1, 2, 4, 8)}, None, None, 0.0)  # cheap, not free
     policy = AdaptivePolicy(cheap, None, None, k_max=6, suffix=drafter)
+    assert policy.choose(make_state([9, 1, 2, 3])).k <= 1  # not yet confirmed: one token at most
+    proposal = drafter.propose(np.array([9, 1, 2, 3]), 6)
+    for _ in range(10):  # the target's tokens confirm proposals this confident (scored in the shadow)
+        policy.calibration.decay_step()
+        policy.calibration.record(proposal.confidence, len(proposal), False)
     choice = policy.choose(make_state([9, 1, 2, 3]))
     assert choice.drafter is drafter and choice.k == 5  # the whole remembered continuation
     for _ in range(30):
-        policy.observe(choice, choice.k, 0, np.array([77]))  # and the target never takes it
+        policy.observe(choice, choice.k, 0, np.array([77]))  # and then the target never takes it
         choice = policy.choose(make_state([9, 1, 2, 3]))
     assert choice.drafter is None
 
