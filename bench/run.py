@@ -362,27 +362,19 @@ def describe_machine() -> dict:
     import psutil
 
     import edgespec
+    from edgespec.hardware import detect_cpu
 
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if f in flags]
+    cpu = detect_cpu()
     try:
         system_info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
     except Exception:  # noqa: BLE001 - descriptive only
         system_info = "unknown"
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
-        "cpu": cpu,
-        "cpu_features": features,
-        "logical_cores": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False),
+        "cpu": cpu.name or cpu.arch,
+        "cpu_features": cpu.simd,
+        "logical_cores": cpu.logical_cores or os.cpu_count(),
+        "physical_cores": cpu.physical_cores or psutil.cpu_count(logical=False),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "os": platform.platform(),
         "python": platform.python_version(),
