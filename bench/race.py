@@ -387,8 +387,8 @@ def plot(doc: dict, path: Path) -> None:
         auto = [s["per_prompt"][i]["x_plain"]["edgespec auto"] or 0 for i in items]
         best_fixed = [max([(v or 0) for k, v in s["per_prompt"][i]["x_plain"].items()
                            if k.startswith("edgespec ") and k not in (PLAIN, "edgespec auto")] or [0]) for i in items]
-        best_cpp = [max([(v or 0) for k, v in s["per_prompt"][i]["x_plain"].items() if k.startswith("llama.cpp")]
-                        or [0]) for i in items]
+        best_cpp = [max([(v or 0) for k, v in s["per_prompt"][i]["x_plain"].items()
+                         if k.startswith("llama.cpp") and k != CPP_PLAIN] or [0]) for i in items]
         ax.bar(xs, auto, color="tab:blue", label="edgespec auto")
         ax.scatter(xs, best_fixed, color="tab:orange", marker="_", s=300, label="best fixed edgespec setting")
         ax.scatter(xs, best_cpp, color="tab:red", marker="x", label="best llama.cpp tool")
