@@ -149,9 +149,10 @@ class ConfidenceCalibration(DecayedRates):
 
     Where a pass of many rows costs many steps (a CPU: 17 rows of Qwen2.5-Coder-1.5B cost 11 single
     steps at two threads) a long draft taken on a drafter's word loses far more when wrong than it
-    gains when right: in the Qwen race a 16-token suffix draft on a chat prompt, taken on the drafter's
-    word (the old prior), kept at most 2 of its tokens. Confirmation is free, since every round's proposals are
-    scored whether drafted or not (ShadowScorer), so a real copy earns trust within a few tokens.
+    gains when right: in the Qwen race a 16-token suffix draft on a chat prompt, taken on the
+    drafter's word (the old prior), kept at most 2 of its tokens. Confirmation is free, since every
+    round's proposals are scored whether drafted or not (ShadowScorer): a real copy earns trust
+    within a few tokens.
     """
 
     EDGES = np.array([0.2, 0.4, 0.6, 0.8, 0.95])
