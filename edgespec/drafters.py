@@ -135,9 +135,10 @@ class PromptLookupDrafter:
             if not live.any():
                 break
             matched[live] += context[ends[live] - j] == context[-1 - j]
-        if not ends.size or matched.max() < self.ngram_min:
+        longest = int(matched.max()) if ends.size else 0
+        if longest < self.ngram_min:
             return EMPTY_DRAFT
-        start = int(ends[np.flatnonzero(matched == matched.max())[-1]]) + 1
+        start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
         return Draft(context[start:start + k].astype(np.int32))
 
 

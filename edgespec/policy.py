@@ -158,7 +158,8 @@ class ConfidenceCalibration(DecayedRates):
     EDGES = np.array([0.2, 0.4, 0.6, 0.8, 0.95])
 
     def __init__(self, weight: float = 2.0, decay: float = 0.95):
-        super().__init__(np.array([0.05, 0.15, 0.25, 0.35, 0.44, 0.49]), weight, decay)
+        bin_confidence = np.array([0.1, 0.3, 0.5, 0.7, 0.875, 0.975])
+        super().__init__(0.5 * bin_confidence, weight, decay)
 
     def rates(self, confidence: np.ndarray) -> np.ndarray:
         """The rate of each token's bin, one standard error below its estimate: a long chain priced at
