@@ -56,7 +56,8 @@ from edgespec.cloud.protocol import (CONTENT_TYPE, CompactProbs, ProtocolError, 
                                      SessionResponse, VerifyRequest, VerifyResponse, compact_row, pack,
                                      vocab_fingerprint)
 from edgespec.drafters import EMPTY_DRAFT, Draft
-from edgespec.engine import Engine, GenerationConfig, GenerationResult, SpeculativeState, TextAssembler, Verification
+from edgespec.detokenize import GenerationResult, TextAssembler
+from edgespec.engine import Engine, GenerationConfig, SpeculativeState, Verification
 from edgespec.errors import EdgespecError
 from edgespec.policy import FixedPolicy
 from edgespec.runtimes.base import Runtime, sync_to
