@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgespec.errors import EdgespecError
+
 
 @dataclass(frozen=True)
 class Pulled:
@@ -54,6 +56,4 @@ class InPlaceSource(Source):
         return Pulled(name, self.resolve(name), "already on this machine")
 
     def remove(self, name: str) -> int:
-        from edgespec.errors import EdgespecError
-
         raise EdgespecError(f"{name} belongs to {self.label}'s store; remove it there ({self.remove_hint})")
