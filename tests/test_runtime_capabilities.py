@@ -53,7 +53,8 @@ def declaration_mismatches(obj) -> list[str]:
 
 
 def runtime_classes() -> list[type]:
-    from edgespec.runtimes.coreml import CoreMLRuntime, TorchReferenceRuntime
+    from edgespec.exporters.coreml_reference import TorchReferenceRuntime
+    from edgespec.runtimes.coreml import CoreMLRuntime
     from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
     from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime
     from edgespec.runtimes.onnxrt import OnnxRuntime
