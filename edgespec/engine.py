@@ -14,7 +14,6 @@ fed together with the next draft. The draft model keeps the same invariant (see 
 
 from __future__ import annotations
 
-import codecs
 import random
 import threading
 import time
@@ -26,12 +25,13 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from edgespec.chat import Message, render_chat
+from edgespec.detokenize import Detokenizer, GenerationResult, TokenLogprob
 from edgespec.drafter_table import build_drafters
 from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
-from edgespec.runtimes.base import Runtime, sync_to
+from edgespec.runtimes.base import Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
 from edgespec.suffix import SuffixHistory, vocabulary_key
@@ -40,15 +40,6 @@ from edgespec.vocab import check_vocab_compatible
 
 
 MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability (log-softmax of its raw logits) of an emitted token, and the top alternatives."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
@@ -62,9 +53,6 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> lis
         top = top[np.argsort(-row[top], kind="stable")]
         out.append(TokenLogprob(int(token), float(row[token]), tuple((int(t), float(row[t])) for t in top)))
     return out
-
-
-TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
 
 
 @dataclass(frozen=True)
@@ -100,24 +88,6 @@ class GenerationConfig:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               min_p=self.min_p, repeat_penalty=self.repeat_penalty)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    finish_reason: str   # "stop" (end-of-generation token or stop string) | "length"
-    stats: GenerationStats
-    logprobs: list[TokenLogprob] | None = None  # one per emitted token when config.logprobs is set
-
-    def to_dict(self) -> dict:
-        out = {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-               "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
-        if self.logprobs is not None:
-            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                               for lp in self.logprobs]
-        return out
 
 
 @dataclass
@@ -209,59 +179,15 @@ class Engine:
              memory_guard: "MemoryGuard | None" = None, runtime: str = "llamacpp",
              onnx_quant: str = "auto", onnx_provider: str = "auto",
              kv_resident: int | str | None = None) -> "Engine":
-        """Load models by catalog name or path (the default: the embedded smallest catalog model).
+        """Load models by name (the default: the embedded smallest catalog model) through
+        `edgespec.loader.load_pair`; the options are `edgespec.loader.LoadOptions`' fields."""
+        from edgespec.loader import LoadOptions, load_pair
 
-        With a draft model, the target gets room for TREE_BRANCHES sequences so auto mode can verify
-        token trees where the cost profile says they pay (a flat verify cost: GPUs); `trees=False`
-        keeps chains only.
-        `runtime`: "llamacpp" (GGUF), "onnx" (a bundle's onnx/target and onnx/draft, or ONNX export
-        directories; `onnx_quant` auto = fp32, else int8, else int4; `onnx_provider` see
-        runtimes/onnxrt.py; `kv_resident`, e.g. "64M": run the target's layer graphs with that much KV
-        in memory and the rest in a file) or "coreml" (a bundle's Core ML packages, macOS 15+; the
-        context is the one fixed at export)."""
-        if runtime == "onnx":  # the llama.cpp options (GPU layers, KV types, trees) do not apply
-            from edgespec.memory import parse_size
-            from edgespec.runtimes.onnxrt import OnnxOptions, load_pair
-
-            if target is None:
-                raise EdgespecError("runtime onnx needs a target: a bundle or an ONNX export directory")
-            options = OnnxOptions(n_ctx=n_ctx, n_threads=n_threads, provider=onnx_provider, quant=onnx_quant,
-                                  verbose=verbose,
-                                  kv_resident_bytes=None if kv_resident is None else parse_size(kv_resident))
-            return cls(*load_pair(target, draft, options), memory_guard=memory_guard)
-        if runtime == "coreml":  # a bundle's Core ML packages; their context was fixed at export
-            from edgespec.runtimes.coreml import load_coreml_pair
-
-            if target is None:
-                raise EdgespecError("runtime coreml needs a target: a bundle exported with --format coreml")
-            return cls(*load_coreml_pair(target), memory_guard=memory_guard)
-        if runtime != "llamacpp":
-            raise EdgespecError(f"unknown runtime {runtime!r}; use llamacpp, onnx or coreml")
-        from edgespec.models import catalog, store
-        from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
-
-        if draft is None:
-            draft = store.bundle_draft(target)  # an exported bundle names its own draft
-        elif draft == "auto":  # an installed model whose vocabulary matches the target's (the CLI says which)
-            from edgespec.models.pairs import auto_draft
-
-            draft = auto_draft(target)[0]
-        if n_gpu_layers is None:  # None = all layers where a GPU build has a GPU, else 0
-            from edgespec.hardware import resolve_gpu_layers
-
-            n_gpu_layers = resolve_gpu_layers(None)
-        options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                  flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-                                  offload_kqv=offload_kqv, verbose=verbose)
-        # With trees on, the target gets room for their branches (KV cells are shared).
-        target_options = replace(options, n_seq_max=TREE_BRANCHES) if trees and draft else options
-        target_rt = LlamaCppRuntime(store.resolve(target or catalog.DEFAULT_MODEL), target_options)
-        try:
-            draft_rt = LlamaCppRuntime(store.resolve(draft), options) if draft else None
-        except BaseException:
-            target_rt.close()
-            raise
-        return cls(target_rt, draft_rt, memory_guard=memory_guard)
+        options = LoadOptions(runtime=runtime, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                              flash_attn=flash_attn, type_k=type_k, type_v=type_v, offload_kqv=offload_kqv,
+                              verbose=verbose, trees=trees, onnx_quant=onnx_quant, onnx_provider=onnx_provider,
+                              kv_resident=kv_resident)
+        return cls(*load_pair(target, draft, options), memory_guard=memory_guard)
 
     @contextmanager
     def exclusive(self) -> Iterator["Engine"]:
@@ -316,9 +242,9 @@ class Engine:
         mode = resolve_mode(config.mode, self.drafters)
         k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
         if mode == "auto":
-            options = getattr(self.target, "options", None)
-            branches = getattr(options, "n_seq_max", 1)
-            rows = getattr(options, "n_outputs_max", 0)  # a memory plan may size the context for fewer rows
+            sizing = self.target.sizing
+            branches = sizing.n_seq_max if TreeDecoding in self.target.capabilities else 1
+            rows = sizing.n_outputs_max  # a memory plan may size the context for fewer rows
             if rows:
                 k = min(k, rows - 1)
             return mode, AdaptivePolicy(self.cost_profile(), *self.drafters.values(), k_max=k, max_branches=branches)
@@ -515,34 +441,6 @@ class Engine:
         return stream.result
 
 
-class TextAssembler:
-    """Token bytes in, text pieces out: UTF-8 safe (a character split over tokens waits for its last
-    byte) and holding back text that could still become a stop string."""
-
-    def __init__(self, stops: tuple[str, ...] = ()):
-        self.stops = stops
-        self._overlap = max((len(s) for s in stops), default=1) - 1  # a stop may begin this far back
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-        self._sent = 0
-        self.stopped = False
-
-    def feed(self, data: bytes, final: bool = False) -> str:
-        """Add bytes; return the text that is now safe to show ('' if none)."""
-        self.text += self._decoder.decode(data, final=final)
-        hits = [i for i in (self.text.find(s, max(0, self._sent - self._overlap)) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped, final = self.text[: min(hits)], True, True
-        ready = len(self.text) if final else len(self.text) - self._undecided()
-        piece = self.text[self._sent:ready] if ready > self._sent else ""
-        self._sent = max(self._sent, ready)
-        return piece
-
-    def _undecided(self) -> int:
-        """Length of the longest tail of the text that could still grow into a stop string."""
-        return max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
-
-
 class GenerationStream:
     """Iterates the text pieces of one generation; `.result` holds the whole result afterwards."""
 
@@ -559,24 +457,7 @@ class GenerationStream:
             yield from self._pieces()
 
     def _pieces(self) -> Iterator[str]:
-        engine = self.engine
-        text = TextAssembler(self.config.stop)
-        state, policy = engine.begin(self.prompt_ids, self.config)
-        loop = engine.rounds(state, policy, self.verifier)
-        try:
-            for new in loop:
-                piece = text.feed(b"".join(engine.target.token_bytes(t) for t in new.tolist()))
-                if piece:
-                    yield piece
-                if text.stopped:
-                    break
-        finally:
-            loop.close()
-        if not text.stopped:
-            piece = text.feed(b"", final=True)
-            if piece:
-                yield piece
-        finish = "stop" if text.stopped else state.finish_reason or "stop"
-        self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
-                                       logprobs=state.logprobs if self.config.logprobs is not None else None)
+        state, policy = self.engine.begin(self.prompt_ids, self.config)
+        output = Detokenizer(self.engine.target, self.config.stop, state)
+        yield from output.texts(self.engine.rounds(state, policy, self.verifier))
+        self.result = output.result()

@@ -320,7 +320,7 @@ def calibrate(*, build: str | None = None, system_info: str | None = None, force
     """The calibration of this build: from the cache, else measured now in fresh subprocesses.
 
     build/system_info name the llama.cpp build (asked of it in a subprocess when not given);
-    `reference` is the model file to calibrate with (default: the catalog's smollm2-135m).
+    `reference` is the model file to calibrate with (default: the catalog's DEFAULT_MODEL).
     """
     if build is None or system_info is None:
         info = _run_probe(["build"], timeout=120)
@@ -667,34 +667,6 @@ def peak_rss() -> int:
 
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux kilobytes
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
-
-
-def gpu_used_bytes(pid: int | None = None) -> int | None:
-    """GPU memory this process holds, through NVML (nvidia-ml-py); None without an NVIDIA GPU."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    pid = os.getpid() if pid is None else pid
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver, no GPU: nothing to watch
-        return None
-    try:
-        total = 0
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == pid and proc.usedGpuMemory:
-                    total += int(proc.usedGpuMemory)
-        return total
-    except Exception:
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def format_bytes(n: int | float) -> str:

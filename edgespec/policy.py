@@ -66,7 +66,7 @@ NO_DRAFT = Choice(None, 0)
 
 
 class Policy(Protocol):
-    rows_besides: int  # rows other requests add to the same target pass (parallel slots)
+    rows_besides: int  # rows other requests add to the same target pass (parallel slots); a policy may weigh them
 
     @property
     def drafters(self) -> list[Drafter]:
@@ -86,11 +86,10 @@ class Policy(Protocol):
 class FixedPolicy:
     """The same drafter and draft length every round; no drafter means plain decoding."""
 
-    rows_besides = 0  # what other requests add to the pass does not change a fixed choice
-
     def __init__(self, drafter: Drafter | None, k: int):
         self.drafter = drafter if k > 0 else None
         self.k = k if drafter is not None else 0
+        self.rows_besides = 0  # a fixed draft length does not weigh them
 
     @property
     def drafters(self) -> list[Drafter]:

@@ -36,8 +36,9 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.aio import AsyncGeneration, Piece, QueueFullError, RequestTimeoutError, Submitter
-from edgespec.engine import Engine, GenerationConfig, GenerationResult, SpeculativeState, TextAssembler
+from edgespec.aio import AsyncGeneration, QueueFullError, RequestTimeoutError, Submitter
+from edgespec.detokenize import Detokenizer
+from edgespec.engine import Engine, GenerationConfig, SpeculativeState
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.base import common_prefix_length, sync_to
 
@@ -104,17 +105,14 @@ class ParallelEngine:
     def load(cls, target: str | None, draft: str | None = None, *, parallel: int, n_ctx: int = 4096,
              n_threads: int | None = None, n_gpu_layers: int | None = None, type_k: str = "f16",
              type_v: str = "f16", offload_kqv: bool = True, verbose: bool = False) -> "ParallelEngine":
-        """Load models by catalog name or path with `parallel` slots sharing a pool of `n_ctx` KV cells."""
-        from edgespec.hardware import resolve_gpu_layers
-        from edgespec.models import catalog, store
-        from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+        """Load models by name (edgespec.loader) with `parallel` slots sharing a pool of `n_ctx` KV cells."""
+        from edgespec.loader import LoadOptions, load_slots
 
         per_slot = slot_context(n_ctx, parallel)
-        options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=resolve_gpu_layers(n_gpu_layers),
-                                  type_k=type_k, type_v=type_v, offload_kqv=offload_kqv, verbose=verbose)
-        target_rt = LlamaCppMultiSeqRuntime(store.resolve(target or catalog.DEFAULT_MODEL), options, n_seq=parallel)
+        options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, type_k=type_k,
+                              type_v=type_v, offload_kqv=offload_kqv, verbose=verbose)
+        target_rt, draft_rt = load_slots(target, draft, options, n_seq=parallel)
         try:
-            draft_rt = LlamaCppMultiSeqRuntime(store.resolve(draft), options, n_seq=parallel) if draft else None
             return cls(target_rt, draft_rt, slot_ctx=per_slot)
         except BaseException:
             target_rt.close()
@@ -141,13 +139,11 @@ class _Slot:
     gen: AsyncGeneration | None = None
     state: SpeculativeState | None = None
     policy: object = None
-    text: TextAssembler | None = None
+    output: Detokenizer | None = None
     fed: int = 0                  # prompt tokens whose KV is held (prefill progress)
     prefilling: bool = False
     t_decode: float = 0.0
     rows: int = 0                 # rows this slot put into the last pass
-    pending: list | None = None   # tokens emitted since the last piece
-    n_logprobs: int = 0
 
     def runtimes(self) -> dict:
         out = {"target": self.engine.target}
@@ -328,7 +324,7 @@ class SlotScheduler(Submitter):
         kept = sync_to(engine.target, state.committed[:-1])
         state.stats.cached_tokens, state.stats.prefilled_tokens = kept, state.n_prompt - 1 - kept
         slot.gen, slot.state, slot.policy = gen, state, policy
-        slot.text, slot.pending, slot.n_logprobs = TextAssembler(gen.config.stop), [], 0
+        slot.output = Detokenizer(engine.target, gen.config.stop, state)
         slot.fed, slot.prefilling, slot.rows = kept, True, 0
         self.counters["max_active"] = max(self.counters["max_active"], self.active)
         if kept == state.n_prompt - 1:
@@ -365,7 +361,7 @@ class SlotScheduler(Submitter):
                 work.append((slot.index, slot.state.committed[slot.fed:end], 0))
                 plans.append((slot, None, end))
                 continue
-            slot.policy.rows_besides = max(0, others - slot.rows)  # auto weighs the rows the others add
+            slot.policy.rows_besides = max(0, others - slot.rows)  # auto weighs the rows the others add to the pass
             choice, draft = slot.engine.propose(slot.state, slot.policy)
             work.append((slot.index, slot.engine.verify_feed(slot.state, draft), len(draft) + 1))
             plans.append((slot, (choice, draft), None))
@@ -403,27 +399,21 @@ class SlotScheduler(Submitter):
                 self._fail(slot, exc)
 
     def _emit(self, slot: _Slot, new: np.ndarray) -> None:
-        state, target = slot.state, slot.engine.target
         if len(new):
-            tokens = new.tolist()
-            slot.pending += tokens
-            piece = slot.text.feed(b"".join(target.token_bytes(t) for t in tokens))
+            piece = slot.output.feed(new)
             if piece:
-                slot.gen._put(Piece(piece, slot.pending, state.logprobs[slot.n_logprobs:]))
-                slot.pending, slot.n_logprobs = [], len(state.logprobs)
-        if slot.text.stopped or state.finish_reason is not None:
+                slot.gen._put(piece)
+        if slot.output.stopped or slot.state.finish_reason is not None:
             self._finish(slot, None)
 
     def _finish(self, slot: _Slot, interrupted: str | None) -> None:
-        state, gen, text = slot.state, slot.gen, slot.text
-        tail = "" if text.stopped else text.feed(b"", final=True)
-        if tail or slot.pending:
-            gen._put(Piece(tail, slot.pending, state.logprobs[slot.n_logprobs:]))
+        state, gen = slot.state, slot.gen
+        tail = slot.output.finish(interrupted)
+        if tail:
+            gen._put(tail)
         state.stats.decode_s = time.perf_counter() - slot.t_decode if not slot.prefilling else 0.0
-        finish = "stop" if text.stopped else interrupted or state.finish_reason or "stop"
-        gen.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                      prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
-                                      logprobs=state.logprobs if gen.config.logprobs is not None else None)
+        gen.result = slot.output.result()
+        finish = gen.result.finish_reason
         if not slot.prefilling:
             slot.engine.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
         if self.prefix_cache is not None and finish != "cancelled" and not slot.prefilling:
@@ -445,7 +435,7 @@ class SlotScheduler(Submitter):
         gen._put(exc)
 
     def _free(self, slot: _Slot) -> None:
-        slot.gen = slot.state = slot.policy = slot.text = slot.pending = None
+        slot.gen = slot.state = slot.policy = slot.output = None
         slot.prefilling, slot.rows = False, 0
         self._release_count()
 

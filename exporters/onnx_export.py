@@ -26,9 +26,8 @@ import numpy as np
 from edgespec.errors import EdgespecError
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
 from edgespec.exporters.progress import SILENT, Progress
+from edgespec.runtimes.formats import ONNX_FILES, ONNX_QUANTS  # noqa: F401  (what the ONNX runtime reads)
 
-ONNX_QUANTS = ("fp32", "int8", "int4")
-ONNX_FILES = {"fp32": "model.onnx", "int8": "model_int8.onnx", "int4": "model_q4.onnx"}
 _EXTERNAL_DATA_LIMIT = 1_800_000_000  # protobuf's 2 GiB cap, with room for the graph itself
 
 
@@ -163,11 +162,6 @@ class OnnxCausalLM:
     def logits(self, chunks: Sequence[Sequence[int]]) -> np.ndarray:
         self.reset()
         return np.concatenate([self.decode(list(c)) for c in chunks])
-
-
-def onnx_dir_files(directory: Path) -> list[Path]:
-    """Every file of an ONNX export directory (models, external data, config, tokenizer)."""
-    return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:

@@ -23,7 +23,9 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, TokenSequence, VocabInfo
+from edgespec.runtimes.base import (MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+                                     TokenSequence, TreeDecoding, VocabInfo)
+from edgespec.runtimes.identity import file_identity
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).
 KV_TYPES: dict[str, tuple[int, float]] = {
@@ -262,18 +264,25 @@ class VocabOnly:
             self._model = None
 
 
+def _sizing(n_batch: int, n_threads: int, options: LlamaCppOptions) -> Sizing:
+    return Sizing(n_batch=n_batch, n_threads=n_threads, n_outputs_max=options.n_outputs_max, n_seq_max=options.n_seq_max)
+
+
 class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState})
 
-    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions()):
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
+                 identity: dict | None = None):
         self.path = Path(path)
         self.options = options
         self._model = None
         self._ctx = None
         self._batch = None
         check_gguf_file(self.path)
+        self.identity = identity or file_identity(self.path)  # names the model in compatibility_key
         _init_backend(options.verbose)
         _Log.recent.clear()
         _Log.buffers.clear()
@@ -338,6 +347,10 @@ class LlamaCppRuntime(TokenSequence):
         self._max_logit_rows = 0
         self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
         self.n_decoded_tokens = 0  # tokens evaluated, all calls together (prefix reuse shows here)
+
+    @property
+    def sizing(self) -> Sizing:
+        return _sizing(self.n_batch, self.n_threads, self.options)
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -525,9 +538,7 @@ class LlamaCppRuntime(TokenSequence):
 
     def compatibility_key(self) -> dict:
         """What must match for saved KV to be valid here: model, llama.cpp build, context, KV types."""
-        from edgespec.models.store import model_identity
-
-        return {"model": model_identity(self.path), "runtime": f"llama-cpp-python {ll.__version__}",
+        return {"model": self.identity, "runtime": f"llama-cpp-python {ll.__version__}",
                 "n_ctx": self.n_ctx, "type_k": self.options.type_k, "type_v": self.options.type_v}
 
     def save_state(self) -> bytes:
@@ -567,10 +578,9 @@ class LlamaCppRuntime(TokenSequence):
         """Weights (the model's bytes) and KV from the geometry; under `other`, what llama.cpp reported
         allocating besides: repacked weight copies, compute and output buffers. For the peak a process
         reaches, mmap'd pages included, see `edgespec.memory.predict`."""
-        buffers = getattr(self, "buffers", {})
         other = {"batch": self.n_batch * 4 * 4}
         for name, suffix in (("repacked_weights", "_REPACK model"), ("compute", " compute"), ("output", " output")):
-            total = sum(v for k, v in buffers.items() if k.endswith(suffix))
+            total = sum(v for k, v in self.buffers.items() if k.endswith(suffix))
             if total:
                 other[name] = total
         return MemoryReport(
@@ -644,7 +654,10 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     inherited. Not thread-safe: one thread owns it.
     """
 
-    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
+    capabilities = frozenset({SeveralSequences, ModelIdentity})
+
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8,
+                 identity: dict | None = None):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
         if options.flash_attn is None and options.type_v in ("f32", "f16", "bf16"):
@@ -653,17 +666,14 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
             # other results (up to ~1.3 logits on SmolLM2 in tests) than the in-order cells of a
             # session alone. Without flash attention the order does not matter.
             options = replace(options, flash_attn=False)
-        super().__init__(path, replace(options, n_seq_max=n_seq))
+        super().__init__(path, replace(options, n_seq_max=n_seq), identity=identity)
         self.n_seq = n_seq
         self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
-    # The one-sequence API does not apply: each call must say which sequence it means.
-    def _no_single_sequence(self, *args, **kwargs):
-        raise TypeError("LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")
-
-    decode = truncate = save_state = load_state = _no_single_sequence  # type: ignore[assignment]
-    n_past = property(_no_single_sequence)  # type: ignore[assignment]
-    tokens = property(_no_single_sequence)  # type: ignore[assignment]
+    # The one-sequence API does not apply (trees and saved state included): each call must say which
+    # sequence it means.
+    decode = truncate = save_state = load_state = decode_tree = keep_tree_path = n_past = tokens = NotOffered(
+        "LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")  # type: ignore[assignment]
 
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.n_seq:
@@ -796,6 +806,8 @@ class LlamaCppSequence:
     Holds no memory of its own: the KV cells come from the owner's unified pool.
     """
 
+    capabilities = frozenset({ModelIdentity, SavedState})  # no trees: the other sequences are other slots
+
     def __init__(self, owner: LlamaCppMultiSeqRuntime, seq: int, n_ctx: int):
         self.owner = owner
         self.seq = seq
@@ -810,6 +822,10 @@ class LlamaCppSequence:
         rows = owner.options.n_outputs_max
         self.options = replace(owner.options, n_seq_max=1, n_ctx=n_ctx,
                                n_outputs_max=max(1, rows // owner.n_seq) if rows else 0)
+
+    @property
+    def sizing(self) -> Sizing:
+        return _sizing(self.n_batch, self.n_threads, self.options)
 
     @property
     def n_past(self) -> int:
