@@ -85,7 +85,7 @@ def predict(rates: dict[str, np.ndarray], profile: CostProfile | None = None) ->
         est = policy.estimates[name]
         k_max = policy.k_max  # a measured profile may time fewer pass sizes than 9
         est.hits[:] = r[:k_max] * est.trials
-        speeds = policy.draft_speeds(k_max) if name == "draft" else policy.lookup_speeds(k_max)
+        speeds = policy.model_speeds(name, k_max) if name == "draft" else policy.copy_speeds(name, k_max)
         k = int(np.argmax(speeds))
         out[name] = {"per_position_acceptance": [round(float(x), 3) for x in r], "chosen_k": k,
                      "predicted_speedup_vs_plain": round(float(speeds[k] / speeds[0]), 2),

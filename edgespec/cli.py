@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import typer
 
+from edgespec.drafter_table import DRAFTERS
 from edgespec.errors import EdgespecError
 from edgespec.models.catalog import DEFAULT_MODEL
 
@@ -48,8 +49,8 @@ BUDGET = typer.Option(None, "--budget", help="memory budget (RAM, or the unified
 TOP_K = typer.Option(40, help="sample among the k most likely tokens (0 = all)")
 REPEAT_PENALTY = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)")
 MIN_P = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)")
-MODE_HELP = ("auto (picks drafter and k each round from measured costs) | ar (plain) | draft (draft model) | "
-             "lookup (prompt lookup) | suffix (copy from the prompt, the text so far and earlier outputs)")
+MODE_HELP = " | ".join(["auto (picks drafter and k each round from measured costs)", "ar (plain)"]
+                       + [f"{spec.name} ({spec.summary})" for spec in DRAFTERS])  # one per row of the drafter table
 HISTORY_LIMIT = typer.Option(1 << 16, "--history-limit",
                              help="tokens of earlier outputs kept for suffix drafting (auto, --mode suffix)")
 HISTORY_FILE = typer.Option(None, "--history-file",

@@ -3,17 +3,25 @@
 A drafter sees the committed context (prompt and emitted tokens; its last token is the one the
 target has not evaluated yet) and returns up to k tokens, with the distributions it drew them from
 when sampling, or None when it is deterministic (prompt lookup: one-hot).
+
+Each drafter is declared by a `DrafterSpec` beside its class (its name, kind, ask cost, default k,
+how to build it) and registered in the one table, edgespec.drafter_table.DRAFTERS: the engine builds
+its drafters from that table, `--mode` offers them, and auto weighs them by their declared kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from enum import Enum
+from typing import Callable, Protocol
 
 import numpy as np
 
 from edgespec.runtimes.base import Runtime, common_prefix_length, sync_to
 from edgespec.sampling import Sampler
+
+# Annotations below name edgespec.profile.CostProfile and edgespec.suffix.SuffixHistory without importing
+# them: both modules import this one.
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,42 @@ class Drafter(Protocol):
         """Up to k tokens continuing `context`. `gate(n, confidence, product) -> bool` may end a
         draft early, and `branch(n_nodes, p_alt, reach) -> bool` may add a runner-up token as a
         sibling leaf, making a tree; drafters that know their confidence honour them, others ignore them."""
+
+
+class DrafterKind(Enum):
+    """How auto asks a drafter and learns how far to trust it (edgespec.policy.AdaptivePolicy)."""
+
+    COPIES = "copies"  # model-free: copies from text. Nothing to prefill; so cheap that auto asks it every
+    #                    round, used or not, and scores the proposal against what the target commits
+    MODEL = "model"    # a draft model: prefilled and kept in step with the committed text, at a cost per
+    #                    drafted token (the profile's draft_s); asked only in rounds that use it
+
+
+@dataclass(frozen=True)
+class DraftSources:
+    """What an engine has to build its drafters from."""
+
+    draft: Runtime | None = None              # the draft model, if one is loaded
+    history: "SuffixHistory | None" = None    # earlier generations' outputs (suffix drafting)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One row of the drafter table: what the engine, auto and the CLI know about a drafter."""
+
+    name: str                 # the drafter's `name`: its --mode, its key in stats and in auto's estimates
+    kind: DrafterKind
+    summary: str              # what --mode NAME does, for the CLI's help
+    default_k: int            # tokens drafted per round under --mode NAME
+    build: Callable[[DraftSources], "Drafter | None"]  # None: not available with these sources
+    ask_s: Callable[["CostProfile"], float] | None = None  # COPIES: what auto pays to ask it once a round
+    trees: bool = False       # can widen a proposal into a token tree (honours `branch`)
+    confident: bool = False   # states a confidence per token, which auto calibrates (ConfidenceCalibration)
+    unavailable: str = ""     # the error for --mode NAME when `build` gives None
+
+    def __post_init__(self):
+        if self.kind is DrafterKind.COPIES and self.ask_s is None:
+            raise ValueError(f"drafter {self.name!r} copies, so auto asks it every round: declare its ask_s")
 
 
 class DraftModelDrafter:
@@ -140,6 +184,16 @@ class PromptLookupDrafter:
             return EMPTY_DRAFT
         start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
         return Draft(context[start:start + k].astype(np.int32))
+
+
+DRAFT_MODEL = DrafterSpec(
+    "draft", DrafterKind.MODEL, "draft model", default_k=4, trees=True,
+    build=lambda sources: DraftModelDrafter(sources.draft) if sources.draft is not None else None,
+    unavailable="--mode draft needs a draft model: pass --draft MODEL (or use --mode lookup)")
+
+PROMPT_LOOKUP = DrafterSpec(
+    "lookup", DrafterKind.COPIES, "prompt lookup", default_k=4,
+    build=lambda sources: PromptLookupDrafter(), ask_s=lambda profile: profile.lookup_s)
 
 
 def _top_probability(logits: np.ndarray) -> float:

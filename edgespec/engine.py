@@ -26,14 +26,15 @@ import numpy as np
 
 from edgespec.chat import Message, render_chat
 from edgespec.detokenize import Detokenizer, GenerationResult, TokenLogprob
-from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, PromptLookupDrafter
+from edgespec.drafter_table import build_drafters
+from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
 from edgespec.runtimes.base import Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
-from edgespec.suffix import SuffixDrafter, SuffixHistory, vocabulary_key
+from edgespec.suffix import SuffixHistory, vocabulary_key
 from edgespec.verify import Verifier, accept_greedy, accept_sampling, accept_tree_greedy, accept_tree_sampling
 from edgespec.vocab import check_vocab_compatible
 
@@ -150,18 +151,17 @@ class Engine:
         self.memory_guard = memory_guard  # caps k under memory pressure (see edgespec.guard)
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self.drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
+        self.drafters: dict[str, Drafter] = {}  # by name: the table's drafters these models allow (use_history)
         self.use_history(history if history is not None else SuffixHistory())
-        if draft is not None:
-            self.drafters["draft"] = DraftModelDrafter(draft)
         self._profile = None
 
     def use_history(self, history: SuffixHistory) -> None:
         """Earlier generations' outputs, which suffix drafting copies from (see edgespec.suffix);
-        every generation adds its own. Keyed by this target's vocabulary."""
+        every generation adds its own. Keyed by this target's vocabulary. The drafters are built
+        anew from the table (edgespec.drafter_table) over it and the draft model, if any."""
         history.key = history.key or vocabulary_key(self.target)
         self.history = history
-        self.drafters["suffix"] = SuffixDrafter(history)
+        self.drafters = build_drafters(DraftSources(draft=self.draft_runtime, history=history))
 
     def cost_profile(self, refresh: bool = False):
         """The measured costs `--mode auto` weighs (cached on disk per model, build, device, threads)."""
@@ -239,7 +239,7 @@ class Engine:
     # -- the speculative loop -----------------------------------------------------------------
 
     def policy_for(self, config: GenerationConfig) -> tuple[str, Policy]:
-        mode = resolve_mode(config.mode, "draft" in self.drafters)
+        mode = resolve_mode(config.mode, self.drafters)
         k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
         if mode == "auto":
             sizing = self.target.sizing
@@ -247,8 +247,7 @@ class Engine:
             rows = sizing.n_outputs_max  # a memory plan may size the context for fewer rows
             if rows:
                 k = min(k, rows - 1)
-            return mode, AdaptivePolicy(self.cost_profile(), self.drafters["lookup"], self.drafters.get("draft"),
-                                        k_max=k, max_branches=branches, suffix=self.drafters["suffix"])
+            return mode, AdaptivePolicy(self.cost_profile(), *self.drafters.values(), k_max=k, max_branches=branches)
         if mode == "ar":
             return mode, FixedPolicy(None, 0)
         return mode, FixedPolicy(self.drafters[mode], k)

@@ -13,30 +13,34 @@ E/T, so it never picks a setting it predicts to be slower than plain decoding.
 With parallel slots (edgespec.slots) other requests put R rows into the same pass; what this
 request's k + 1 rows cost is then the marginal verify(R + k + 1) - verify(R) (`rows_besides` = R).
 
-Where the rates come from: the model-free drafters (prompt lookup, suffix) cost nothing to ask, so
-every round asks each of them for its longest proposal, used or not, and scores it against the
-tokens later rounds commit (ShadowScorer). Their estimates therefore cover every position up to
-the longest k, whatever was drafted. The draft model is scored on what it drafted. The suffix
-drafter states a confidence per token; its rates are that confidence as calibrated against what
-the target accepted (ConfidenceCalibration).
+Where the rates come from: the model-free drafters (DrafterKind.COPIES: prompt lookup, suffix) cost
+nearly nothing to ask, so every round asks each of them for its longest proposal, used or not, and
+scores it against the tokens later rounds commit (ShadowScorer). Their estimates therefore cover
+every position up to the longest k, whatever was drafted. A draft model (DrafterKind.MODEL) is
+scored on what it drafted. A drafter that states a confidence per token (suffix) is rated by that
+confidence as calibrated against what the target accepted (ConfidenceCalibration).
+
+The policy names no drafter: it weighs the drafters it is given by the kind, ask cost and traits
+their rows in edgespec.drafter_table declare.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 import numpy as np
 
-from edgespec.drafters import Draft, Drafter, DraftModelDrafter
+from edgespec.drafter_table import BY_NAME, DRAFTERS, spec_for
+from edgespec.drafters import Draft, Drafter, DrafterKind
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
     from edgespec.engine import SpeculativeState
     from edgespec.profile import CostProfile
 
-MODES = ("auto", "ar", "draft", "lookup", "suffix")
-DEFAULT_DRAFT_MAX = {"draft": 4, "lookup": 4, "suffix": 8, "auto": 16}
+MODES = ("auto", "ar") + tuple(spec.name for spec in DRAFTERS)  # ar: plain decoding; the rest name a drafter
+DEFAULT_DRAFT_MAX = {**{spec.name: spec.default_k for spec in DRAFTERS}, "auto": 16}
 # A speculative choice must be predicted this much faster than plain decoding. The acceptance
 # estimates follow the last few rounds, so the option that looks best is biased upward (the winner's
 # curse): break-even choices, prompt lookup on chat text above all, measured 2-4 % slower than plain.
@@ -253,12 +257,13 @@ class OnlineCosts:
 class AdaptivePolicy:
     """Speculate only when it pays, by the measured costs and the acceptance seen so far."""
 
-    def __init__(self, profile: "CostProfile", lookup: Drafter | None, draft_model: DraftModelDrafter | None,
-                 k_max: int = DEFAULT_DRAFT_MAX["auto"], max_branches: int = 1, suffix: Drafter | None = None):
+    def __init__(self, profile: "CostProfile", *drafters: Drafter | None, k_max: int = DEFAULT_DRAFT_MAX["auto"],
+                 max_branches: int = 1, suffix: Drafter | None = None):
+        """`drafters`: those auto may pick (None: not available), weighed in this order within a kind.
+        `suffix` is one more, for callers written when the policy took each drafter by name."""
         self.profile = profile
-        self.lookup = lookup
-        self.suffix = suffix
-        self.draft_model = draft_model
+        self._drafters = [d for d in (*drafters, suffix) if d is not None]
+        self.specs = {d.name: spec_for(d.name) for d in self._drafters}
         self.k_max = max(1, min(k_max, profile.max_batch - 1))
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
@@ -266,14 +271,18 @@ class AdaptivePolicy:
         # this generation times (OnlineCosts), computed once per change rather than per round.
         self.costs = OnlineCosts(np.array([profile.verify(n) for n in range(1, self.k_max + 2)]))
         self._verify = self.costs.curve()
-        self.calibration = ConfidenceCalibration()  # the suffix drafter's confidence -> acceptance
+        # confidence -> acceptance, shared by the drafters that state a confidence (spec.confident: suffix)
+        self.calibration = ConfidenceCalibration()
         self.shadows = ShadowScorer()
         self._round_start = 0
         self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
 
     @property
     def drafters(self) -> list[Drafter]:
-        return [d for d in (self.lookup, self.suffix, self.draft_model) if d is not None]
+        return list(self._drafters)
+
+    def _of_kind(self, kind: DrafterKind) -> list[Drafter]:
+        return [d for d in self._drafters if self.specs[d.name].kind is kind]
 
     @property
     def prefilled(self) -> list[Drafter]:
@@ -302,15 +311,16 @@ class AdaptivePolicy:
         cost = self._verify_costs(len(rates)) + ask_s * (np.arange(len(rates) + 1) > 0)
         return e / cost
 
-    def lookup_speeds(self, available: int) -> np.ndarray:
-        """Predicted tokens/s of a lookup chain of k = 0 .. available tokens."""
-        return self.chain_speeds(self.estimates["lookup"].rates[:available], self.profile.lookup_s)
+    def copy_speeds(self, name: str, available: int) -> np.ndarray:
+        """Predicted tokens/s of a chain of k = 0 .. available tokens from model-free drafter `name`,
+        by its acceptance estimate (not its stated confidence)."""
+        return self.chain_speeds(self.estimates[name].rates[:available], self.specs[name].ask_s(self.profile))
 
-    def draft_speeds(self, k_cap: int, unseen: int = 0, remaining: int = 1 << 30) -> np.ndarray:
-        """Predicted tokens/s of a draft-model chain of k = 0 .. k_cap tokens. `unseen` tokens the
-        draft must catch up on first (its whole prompt, the first time) cost a prefill, spread over
-        the rounds left to pay it back."""
-        est = self.estimates["draft"]
+    def model_speeds(self, name: str, k_cap: int, unseen: int = 0, remaining: int = 1 << 30) -> np.ndarray:
+        """Predicted tokens/s of a chain of k = 0 .. k_cap tokens from draft model `name`. `unseen`
+        tokens the draft must catch up on first (its whole prompt, the first time) cost a prefill,
+        spread over the rounds left to pay it back."""
+        est = self.estimates[name]
         e = est.expected_emitted()[: k_cap + 1]
         all_pass = np.concatenate([[0.0], np.cumprod(est.rates)])[: k_cap + 1]
         ks = np.arange(k_cap + 1)
@@ -330,39 +340,39 @@ class AdaptivePolicy:
         k_cap = min(self.k_max, state.remaining - 1)
         plain = Choice(None, 0, predicted_speed=self.plain_speed())
         self._round_start = state.n
-        proposals = {}
-        for drafter in (self.lookup, self.suffix):  # asked every round, used or not: see ShadowScorer
-            if drafter is not None:
-                proposals[drafter.name] = proposal = drafter.propose(state.committed, self.k_max, state.sampler)
-                self.shadows.add(drafter.name, proposal, state.n)
+        proposals = []
+        for drafter in self._of_kind(DrafterKind.COPIES):  # asked every round, used or not: see ShadowScorer
+            proposal = drafter.propose(state.committed, self.k_max, state.sampler)
+            proposals.append((drafter, proposal))
+            self.shadows.add(drafter.name, proposal, state.n)
         if k_cap <= 0 or state.n == state.n_prompt:  # the first token as soon as plain decoding has it
             return plain
         best = Choice(None, 0, predicted_speed=plain.predicted_speed * (1 + SPECULATION_MARGIN))
-        for name, proposal in proposals.items():
+        for drafter, proposal in proposals:
             if not len(proposal):
                 continue
             if proposal.confidence is not None:
                 rates = self.calibration.rates(proposal.confidence[:k_cap])
             else:
-                rates = self.estimates[name].rates[:min(len(proposal), k_cap)]
-            speeds = self.chain_speeds(rates, self.profile.suffix_s if name == "suffix" else self.profile.lookup_s)
+                rates = self.estimates[drafter.name].rates[:min(len(proposal), k_cap)]
+            speeds = self.chain_speeds(rates, self.specs[drafter.name].ask_s(self.profile))
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
-                drafter = self.lookup if name == "lookup" else self.suffix
                 best = self._model_free_choice(drafter, proposal, k, float(speeds[k]))
-        if self.draft_model is not None:
-            speeds = self.draft_speeds(k_cap, self.draft_model.unseen(state.committed), state.remaining)
+        for drafter in self._of_kind(DrafterKind.MODEL):
+            speeds = self.model_speeds(drafter.name, k_cap, drafter.unseen(state.committed), state.remaining)
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
-                branch = self._branch(float(speeds[k])) if self.max_branches > 1 else None
-                best = Choice(self.draft_model, k, gate=self._gate(float(speeds[k])), branch=branch,
+                trees = self.max_branches > 1 and self.specs[drafter.name].trees
+                best = Choice(drafter, k, gate=self._gate(float(speeds[k])),
+                              branch=self._branch(float(speeds[k])) if trees else None,
                               predicted_speed=float(speeds[k]))
         return best if best.drafter is not None else plain
 
     def _model_free_choice(self, drafter: Drafter, proposal: Draft, k: int, speed: float) -> Choice:
         """The proposal's first k tokens; a drafter that knows its runner-up continuations may
         widen them into a tree where the profile says the wider pass pays (the engine asks again)."""
-        if self.max_branches > 1 and proposal.confidence is not None:
+        if self.max_branches > 1 and self.specs[drafter.name].trees and proposal.confidence is not None:
             return Choice(drafter, k, branch=self._branch(speed), predicted_speed=speed)
         return Choice(drafter, k, Draft(proposal.tokens[:k], confidence=None if proposal.confidence is None
                                         else proposal.confidence[:k]), predicted_speed=speed)
@@ -409,13 +419,13 @@ class AdaptivePolicy:
         if pass_s and self.profile.key and not self.rows_besides and n_drafted < len(self._verify):
             self.costs.observe(n_drafted + 1, pass_s)
             self._verify = self.costs.curve()
-        if choice.drafter is not None and choice.drafter is self.draft_model:
+        if choice.drafter is not None and self.specs[choice.drafter.name].kind is DrafterKind.MODEL:
             self.estimates[choice.drafter.name].update(n_drafted, n_accepted)
         # Model-free drafters learn from their shadow proposals alone (the drafted tokens are a
         # prefix of them), so a round's draft is not counted twice; their estimates decay per round.
         judged = self.shadows.observe(self._round_start, np.asarray(emitted))
         for name in {name for name, *_ in judged}:
-            (self.calibration if name == "suffix" else self.estimates[name]).decay_step()
+            (self.calibration if self.specs[name].confident else self.estimates[name]).decay_step()
         for name, draft, first, n_passed, failed in judged:
             if draft.confidence is not None:
                 self.calibration.record(draft.confidence[first:], n_passed, failed)
@@ -423,9 +433,10 @@ class AdaptivePolicy:
                 self.estimates[name].record(first, n_passed, failed)
 
 
-def resolve_mode(mode: str, has_draft_model: bool) -> str:
+def resolve_mode(mode: str, available: Collection[str]) -> str:
+    """`mode` checked against MODES and, where it names a drafter, against the drafters `available`."""
     if mode not in MODES:
         raise EdgespecError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    if mode == "draft" and not has_draft_model:
-        raise EdgespecError("--mode draft needs a draft model: pass --draft MODEL (or use --mode lookup)")
+    if mode in BY_NAME and mode not in available:
+        raise EdgespecError(BY_NAME[mode].unavailable or f"--mode {mode} is not available with these models")
     return mode

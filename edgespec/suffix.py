@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.drafters import EMPTY_DRAFT, Draft, with_siblings
+from edgespec.drafters import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, with_siblings
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler
 
@@ -248,3 +248,9 @@ class SuffixDrafter:
         latest = np.full(len(values), -1, dtype=np.int64)
         np.maximum.at(latest, np.searchsorted(values, nxt[nxt != SEPARATOR]), positions[nxt != SEPARATOR])
         return latest
+
+
+SUFFIX = DrafterSpec(
+    "suffix", DrafterKind.COPIES, "copy from the prompt, the text so far and earlier outputs", default_k=8,
+    build=lambda sources: SuffixDrafter(sources.history) if sources.history is not None else None,
+    ask_s=lambda profile: profile.suffix_s, trees=True, confident=True)
