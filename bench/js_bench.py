@@ -175,7 +175,7 @@ def summarize(systems: dict[str, dict], runs) -> dict:
 
 
 def machine() -> str:
-    from edgespec.hardware import detect_cpu
+    from edgespec.machine.hardware import detect_cpu
 
     cpu = detect_cpu()
     name, cores = cpu.name or platform.processor(), cpu.physical_cores or os.cpu_count()

@@ -4,11 +4,11 @@
 
 1. Prediction grid: SmolLM2-135M and the Qwen2.5-Coder 1.5B / 0.5B pair across contexts, KV cache
    types, weights mapped or read, draft on and off. Each point runs in a fresh process
-   (`python -m edgespec.memprobe measure`): load, prefill a prompt one ubatch long (so the whole
+   (`python -m edgespec.machine.memprobe measure`): load, prefill a prompt one ubatch long (so the whole
    compute buffer is used), generate, report VmHWM, the peak resident set (anonymous and file-backed
-   pages alike). The prediction is `edgespec.memory.predict` with this build's calibration, which
+   pages alike). The prediction is `edgespec.machine.memory.predict` with this build's calibration, which
    comes from SmolLM2 at other settings (see memprobe.REFERENCE_RUN and DRY_RUNS).
-2. Budgets (SpecMemo's view): for the Qwen pair at a 4096-token context, `edgespec.planner.plan` at
+2. Budgets (SpecMemo's view): for the Qwen pair at a 4096-token context, `edgespec.machine.planner.plan` at
    falling budgets; each chosen setup runs greedy generation in a fresh process (median of
    --repeats timed generations) and reports tokens/s and its measured peak. Memory saved and
    throughput kept are relative to the plan for an unconstrained budget.
@@ -26,8 +26,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from edgespec.memory import MiB, Hardware, ModelSettings, Setup, calibrate, model_facts, predict
-from edgespec.memprobe import run_measure_subprocess
+from edgespec.machine.memory import MiB, Hardware, ModelSettings, Setup, calibrate, model_facts, predict
+from edgespec.machine.memprobe import run_measure_subprocess
 
 # (target, draft, n_ctx, kv, use_mmap, n_batch, k)
 GRID = [
@@ -84,7 +84,7 @@ def run_budgets(budgets_mib, cal, repeats: int, max_tokens: int, threads: int = 
     process, interleaved (see memprobe.cmd_throughput), so machine noise falls on all plans alike."""
     import statistics
 
-    from edgespec.planner import plan, setup_for
+    from edgespec.machine.planner import plan, setup_for
 
     paths = _paths(["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
     target, draft = paths["qwen2.5-coder-1.5b"], paths["qwen2.5-coder-0.5b"]
@@ -126,7 +126,7 @@ def run_kv_quality(n_tokens: int = 24) -> list[dict]:
     code = f"""
 import json
 from edgespec.engine import Engine, GenerationConfig
-from edgespec.memprobe import prompt_ids
+from edgespec.machine.memprobe import prompt_ids
 from edgespec.models import store
 from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
 rows = []
@@ -150,7 +150,7 @@ print(json.dumps(rows))
 
 
 def machine() -> str:
-    from edgespec.hardware import detect
+    from edgespec.machine.hardware import detect
 
     r = detect(onnxruntime=False)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0, 0, 0)
@@ -170,7 +170,7 @@ def render(grid_rows, budget_rows, cal, command: str, started: str, host: str, k
     out = ["# Memory: predicted vs measured peaks, and throughput across budgets", "",
            f"Command: `{command}`  ", f"Run: {started}  ", f"Machine: {host}", "",
            "Peak = VmHWM of a fresh process per row: resident anonymous pages and file-backed (mmap'd) weight "
-           "pages alike. Prediction: `edgespec.memory.predict`, calibrated once for this build on SmolLM2-135M "
+           "pages alike. Prediction: `edgespec.machine.memory.predict`, calibrated once for this build on SmolLM2-135M "
            f"at other settings (compute-buffer scales ffn {cal.ffn_scale}, output {cal.output_scale}, attention "
            f"{cal.attn_scale}; fixed process {cal.base_bytes / MiB:.1f} + {cal.process_extra_bytes / MiB:.1f} MiB, "
            f"per model {cal.per_model_bytes / MiB:.1f} MiB, vocabulary {cal.vocab_bytes_per_entry} B per entry).", "",
@@ -188,7 +188,7 @@ def render(grid_rows, budget_rows, cal, command: str, started: str, host: str, k
     if budget_rows:
         base = next((r for r in budget_rows if r.get("fits") and r["budget_mib"] is None), None)
         out += ["", "## Throughput kept against memory saved (Qwen2.5-Coder 1.5B + 0.5B draft, context 4096, greedy)",
-                "", "Each budget is planned by `edgespec.planner.plan`; the chosen setup's peak is measured in a "
+                "", "Each budget is planned by `edgespec.machine.planner.plan`; the chosen setup's peak is measured in a "
                 "fresh process (600-token prompt, so full compute buffers). Tokens/s: decode only, greedy, a "
                 "200-token code prompt (a repeated snippet: the draft is almost always right), one thread, median over the repeats, every setup timed in one process in "
                 "turn per repeat (interleaved, so a busy machine slows them alike). Saved and kept are relative to the "
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", help="rewrite the markdown from an earlier run's JSON, measuring nothing")
     args = ap.parse_args(argv)
     if args.render_only:
-        from edgespec.memory import Calibration
+        from edgespec.machine.memory import Calibration
 
         data = json.loads(Path(args.render_only).read_text())
         Path(args.out).write_text(render(data["grid"], data["budgets"], Calibration.from_dict(data["calibration"]),

@@ -60,7 +60,7 @@ def artefacts(progress=print) -> dict[str, Path]:
 def measure_point(runtime: str, quant: str, path: Path, max_tokens: int, repeats: int, threads: int) -> dict:
     """In this (fresh) process: load, generate, time; the peak resident set at the end."""
     from edgespec.engine import Engine, GenerationConfig
-    from edgespec.memory import peak_rss
+    from edgespec.machine.memory import peak_rss
 
     kwargs = dict(runtime="onnx", onnx_quant=quant) if runtime == "onnx" else dict(n_gpu_layers=0)
     with Engine.load(str(path), n_ctx=1024, n_threads=threads, **kwargs) as engine:

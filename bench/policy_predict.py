@@ -26,7 +26,7 @@ import numpy as np
 from edgespec.drafters import PromptLookupDrafter
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.policy import AdaptivePolicy
-from edgespec.profile import CostProfile
+from edgespec.machine.profile import CostProfile
 
 # A GPU-like profile, per target step: verify is flat up to 16 tokens; the draft model costs this
 # fraction of a target step (a 0.5B draft for a 1.5B target on a GPU is bound by launch overheads).

@@ -362,7 +362,7 @@ def describe_machine() -> dict:
     import psutil
 
     import edgespec
-    from edgespec.hardware import detect_cpu
+    from edgespec.machine.hardware import detect_cpu
 
     cpu = detect_cpu()
     try:

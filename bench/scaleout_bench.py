@@ -140,7 +140,7 @@ def run_process(target: Path, sessions_data, clients, rounds, k, max_sessions) -
 
 
 def run_ray(target: Path, sessions_data, clients, rounds, k, replicas: int, max_sessions: int) -> list[dict]:
-    from edgespec import scaleout
+    from edgespec.serve import scaleout
     from edgespec.cloud.verifier import VerifierConfig
 
     options = scaleout.RayOptions(replicas=replicas, cpus_per_replica=1.0)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs of every system, in alternating order; medians")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
-    from edgespec.hardware import detect_cpu
+    from edgespec.machine.hardware import detect_cpu
     from edgespec.models import store
 
     clients = [int(c) for c in args.clients.split(",")]

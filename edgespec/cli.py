@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import typer
 
-from edgespec.drafter_table import DRAFTERS
+from edgespec.drafters.table import DRAFTERS
 from edgespec.errors import EdgespecError
 from edgespec.models.catalog import DEFAULT_MODEL
 
@@ -71,7 +71,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
                 kv_resident: str | None = None):
     """Load the engine for CLI commands; `--mode draft` without `--draft` takes the catalog's pair.
 
-    With `--budget`, the memory plan (edgespec.planner) chooses the GPU layers, KV types, context and
+    With `--budget`, the memory plan (edgespec.machine.planner) chooses the GPU layers, KV types, context and
     draft, so giving those flags too is an error; `reserve_bytes` is what the command holds besides the
     engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
@@ -85,7 +85,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
                            flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose,
                            runtime=runtime, kv_resident=kv_resident)
-    from edgespec.planner import apply_budget
+    from edgespec.machine.planner import apply_budget
 
     given = [flag for flag, set_ in (("--gpu-layers", gpu_layers is not None), ("--flash-attn", flash_attn is not None),
                                      ("--cache-type-k", cache_type_k != "f16"),
@@ -170,7 +170,7 @@ def generate(
 
 def _history(limit: int):
     """The suffix drafter's history, checked before any model loads."""
-    from edgespec.suffix import SuffixHistory
+    from edgespec.drafters.suffix import SuffixHistory
 
     return SuffixHistory(limit)
 
@@ -231,7 +231,7 @@ def profile(
                      cache_type_k="f16", cache_type_v="f16", verbose=verbose) as engine:
         prof = engine.cost_profile(refresh=refresh)
         if curve:
-            from edgespec.costcurve import measure_curve
+            from edgespec.machine.costcurve import measure_curve
 
             measured = measure_curve(engine.target, max_batch=curve, tree_widths=widths)
     if as_json:
@@ -345,8 +345,8 @@ def doctor(
     """Describe this machine (CPU, memory, GPUs, runtimes), with each source, and say what fits it."""
     import json
 
-    from edgespec.advice import doctor_document, render_doctor
-    from edgespec.hardware import detect
+    from edgespec.machine.advice import doctor_document, render_doctor
+    from edgespec.machine.hardware import detect
 
     doc = doctor_document(detect())
     if as_json:
@@ -400,7 +400,7 @@ def plan(
     """Predict the peak memory of a target (+ draft) setup and choose the settings that fit a budget."""
     import json
 
-    from edgespec.planner import plan_for_cli
+    from edgespec.machine.planner import plan_for_cli
 
     result = plan_for_cli(target, auto_draft_option(target, draft), budget=budget, gpu_budget=gpu_budget, ctx=ctx,
                           max_draft=draft_max, parallel=parallel)
@@ -513,7 +513,7 @@ def serve(
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
     or with --verifier the target of cloud-edge speculation."""
     from edgespec.loader import model_id
-    from edgespec.server import ServerConfig, check_bind, run_server
+    from edgespec.serve.server import ServerConfig, check_bind, run_server
 
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
@@ -548,7 +548,7 @@ def serve(
                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                                  gpu_budget=gpu_budget, runtime=runtime, reserve_bytes=prefix_bytes,
                                  draft_max=draft_max)
-        from edgespec.slots import slot_context
+        from edgespec.serve.slots import slot_context
 
         slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
     else:
@@ -557,7 +557,7 @@ def serve(
                                  verbose=verbose, budget=budget, gpu_budget=gpu_budget, draft_max=draft_max,
                                  sampling=True, reserve_bytes=prefix_bytes, runtime=runtime)
     if ray_options is not None:  # each replica calls `load` itself, and keeps its own suffix history
-        from edgespec import scaleout
+        from edgespec.serve import scaleout
 
         if history_file:
             raise EdgespecError("--history-file keeps one process's suffix history; drop it with --ray")
@@ -572,7 +572,7 @@ def serve(
 def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, flash_attn, cache_type_k, cache_type_v,
                    verbose, budget, gpu_budget, runtime, reserve_bytes=0, draft_max=None):
     """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft)."""
-    from edgespec.slots import ParallelEngine, slot_context
+    from edgespec.serve.slots import ParallelEngine, slot_context
 
     slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
     if runtime != "llamacpp":
@@ -584,7 +584,7 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
         raise EdgespecError("--gpu-budget does not plan --parallel yet; use --budget (host memory) or size the pool "
                             "with --ctx")
     if budget:
-        from edgespec.planner import apply_budget_parallel
+        from edgespec.machine.planner import apply_budget_parallel
 
         engine, the_plan = apply_budget_parallel(target, draft, parallel=parallel, budget=budget, ctx=ctx,
                                                  max_draft=draft_max, n_threads=threads, verbose=verbose,
@@ -607,7 +607,7 @@ def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, addr
         return None
     if replicas is not None and autoscale is not None:
         raise EdgespecError("give --replicas N or --autoscale MIN,MAX, not both")
-    from edgespec import scaleout
+    from edgespec.serve import scaleout
 
     return scaleout.RayOptions(address=address, replicas=1 if replicas is None else replicas,
                                autoscale=scaleout.parse_autoscale(autoscale) if autoscale else None,
@@ -621,7 +621,7 @@ def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, 
     config = VerifierConfig(api_keys=tuple(api_keys), max_sessions=max_sessions, max_context=session_ctx,
                             idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch)
     if ray_options is not None:
-        from edgespec import scaleout
+        from edgespec.serve import scaleout
 
         scaleout.serve_verifier(target or DEFAULT_MODEL, config, ray_options, host=host, port=port,
                                 ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, n_threads=threads,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from edgespec.aio import Piece, TokenStream
+from edgespec.serve.aio import Piece, TokenStream
 from edgespec.engine import Engine, GenerationConfig, GenerationResult
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.persist import load_state, save_state

@@ -26,15 +26,15 @@ import numpy as np
 
 from edgespec.chat import Message, render_chat
 from edgespec.detokenize import Detokenizer, GenerationResult, TokenLogprob
-from edgespec.drafter_table import build_drafters
+from edgespec.drafters.table import build_drafters
 from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources
 from edgespec.errors import ContextOverflowError, EdgespecError
-from edgespec.guard import MemoryGuard, cap_choice
+from edgespec.machine.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
 from edgespec.runtimes.base import Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
-from edgespec.suffix import SuffixHistory, vocabulary_key
+from edgespec.drafters.suffix import SuffixHistory, vocabulary_key
 from edgespec.verify import Verifier, accept_greedy, accept_sampling, accept_tree_greedy, accept_tree_sampling
 from edgespec.vocab import check_vocab_compatible
 
@@ -137,7 +137,7 @@ class Engine:
     Not thread-safe (`thread_safe` is False): runtimes hold one KV sequence, so one generation at a
     time. It guards itself: a generation from another thread waits for the running one to end, and a
     second generation started in the same thread before the first ends is refused. Apps that serve
-    several callers queue them through `edgespec.aio.AsyncEngine`.
+    several callers queue them through `edgespec.serve.aio.AsyncEngine`.
     """
 
     thread_safe = False
@@ -148,7 +148,7 @@ class Engine:
             check_vocab_compatible(target, draft)
         self.target = target
         self.draft_runtime = draft
-        self.memory_guard = memory_guard  # caps k under memory pressure (see edgespec.guard)
+        self.memory_guard = memory_guard  # caps k under memory pressure (see edgespec.machine.guard)
         self._lock = threading.Lock()
         self._owner: int | None = None
         self.drafters: dict[str, Drafter] = {}  # by name: the table's drafters these models allow (use_history)
@@ -156,9 +156,9 @@ class Engine:
         self._profile = None
 
     def use_history(self, history: SuffixHistory) -> None:
-        """Earlier generations' outputs, which suffix drafting copies from (see edgespec.suffix);
+        """Earlier generations' outputs, which suffix drafting copies from (see edgespec.drafters.suffix);
         every generation adds its own. Keyed by this target's vocabulary. The drafters are built
-        anew from the table (edgespec.drafter_table) over it and the draft model, if any."""
+        anew from the table (edgespec.drafters.table) over it and the draft model, if any."""
         history.key = history.key or vocabulary_key(self.target)
         self.history = history
         self.drafters = build_drafters(DraftSources(draft=self.draft_runtime, history=history))
@@ -166,7 +166,7 @@ class Engine:
     def cost_profile(self, refresh: bool = False):
         """The measured costs `--mode auto` weighs (cached on disk per model, build, device, threads)."""
         if self._profile is None or refresh:
-            from edgespec.profile import load_or_measure
+            from edgespec.machine.profile import load_or_measure
 
             self._profile, _ = load_or_measure(self.target, self.draft_runtime, refresh=refresh)
         return self._profile

@@ -55,7 +55,7 @@ class LoadOptions:
 
     def llamacpp(self):
         """The llama.cpp options these say (the GPU layers detected when not given)."""
-        from edgespec.hardware import resolve_gpu_layers
+        from edgespec.machine.hardware import resolve_gpu_layers
         from edgespec.runtimes.llamacpp import LlamaCppOptions
 
         return LlamaCppOptions(n_ctx=self.n_ctx, n_threads=self.n_threads,
@@ -187,7 +187,7 @@ def open_llamacpp_pair(target_path: Path, target_options, draft_path: Path | Non
 def _onnx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
     """A bundle's ONNX target and draft (the draft unless one is given), or export directories / .onnx
     files given as they are. With `kv_resident` the target is its layer graphs under that KV budget."""
-    from edgespec.memory import parse_size
+    from edgespec.machine.memory import parse_size
     from edgespec.runtimes.onnxrt import OnnxOptions, OnnxRuntime
 
     if target is None:

@@ -10,7 +10,7 @@ rates a_1..a_k (each conditional on the previous ones passing), one round emits 
 and plain decoding is E(0) / T(0) = 1 / verify(1). The policy picks the (drafter, k) with the best
 E/T, so it never picks a setting it predicts to be slower than plain decoding.
 
-With parallel slots (edgespec.slots) other requests put R rows into the same pass; what this
+With parallel slots (edgespec.serve.slots) other requests put R rows into the same pass; what this
 request's k + 1 rows cost is then the marginal verify(R + k + 1) - verify(R) (`rows_besides` = R).
 
 Where the rates come from: the model-free drafters (DrafterKind.COPIES: prompt lookup, suffix) cost
@@ -21,7 +21,7 @@ scored on what it drafted. A drafter that states a confidence per token (suffix)
 confidence as calibrated against what the target accepted (ConfidenceCalibration).
 
 The policy names no drafter: it weighs the drafters it is given by the kind, ask cost and traits
-their rows in edgespec.drafter_table declare.
+their rows in edgespec.drafters.table declare.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 import numpy as np
 
-from edgespec.drafter_table import BY_NAME, DRAFTERS, spec_for
+from edgespec.drafters.table import BY_NAME, DRAFTERS, spec_for
 from edgespec.drafters import Draft, Drafter, DrafterKind
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
     from edgespec.engine import SpeculativeState
-    from edgespec.profile import CostProfile
+    from edgespec.machine.profile import CostProfile
 
 MODES = ("auto", "ar") + tuple(spec.name for spec in DRAFTERS)  # ar: plain decoding; the rest name a drafter
 DEFAULT_DRAFT_MAX = {**{spec.name: spec.default_k for spec in DRAFTERS}, "auto": 16}

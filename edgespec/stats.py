@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgespec.memory import format_bytes
+from edgespec.machine.memory import format_bytes
 
 
 @dataclass

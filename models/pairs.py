@@ -1,6 +1,6 @@
 """Recommended target + draft pairs (pairs.json), their expected memory, and `--draft auto`.
 
-Expected memory is the memory planner's own prediction (`edgespec.memory.predict`) for a setup of
+Expected memory is the memory planner's own prediction (`edgespec.machine.memory.predict`) for a setup of
 4096 tokens of context, f16 KV, 4 drafted tokens per round, on the CPU, run on model facts built
 from each model's architecture numbers (pairs.json says where they come from) instead of a file's
 tensor table: the weights as one span of the estimated file size, the KV cache, compute buffers,
@@ -101,10 +101,10 @@ def pairs() -> tuple[Pair, ...]:
 # --- expected memory, from the planner's formulas ------------------------------------------------
 
 def model_facts(m: PairModel):
-    """`edgespec.memory.ModelFacts` from architecture numbers: token embeddings, one span per layer and
+    """`edgespec.machine.memory.ModelFacts` from architecture numbers: token embeddings, one span per layer and
     (untied) the output matrix, sized so they add up to the file size. Their type names match no
     repacked layout, so weights count once (the planner's no-mmap case)."""
-    from edgespec.memory import ModelFacts, TensorInfo
+    from edgespec.machine.memory import ModelFacts, TensorInfo
 
     embd = int(m.n_vocab * m.n_embd * 4.5 / 8)  # Q4_K-like token embeddings
     output = 0 if m.tied_embeddings else int(m.n_vocab * m.n_embd * 6.56 / 8)  # Q6_K output, as Q4_K_M keeps it
@@ -123,7 +123,7 @@ def model_facts(m: PairModel):
 
 def predict_facts(target_facts, draft_facts, n_ctx: int = CONTEXT, max_draft: int = MAX_DRAFT):
     """The planner's prediction for target + draft at f16 KV on the CPU, with default calibration."""
-    from edgespec.memory import Calibration, Hardware, ModelSettings, Setup, predict
+    from edgespec.machine.memory import Calibration, Hardware, ModelSettings, Setup, predict
 
     setup = Setup(target=target_facts, target_settings=ModelSettings(n_ctx=n_ctx, n_outputs_max=max_draft + 1),
                   draft=draft_facts, draft_settings=ModelSettings(n_ctx=n_ctx) if draft_facts else None,

@@ -577,7 +577,7 @@ class LlamaCppRuntime(TokenSequence):
     def memory(self) -> MemoryReport:
         """Weights (the model's bytes) and KV from the geometry; under `other`, what llama.cpp reported
         allocating besides: repacked weight copies, compute and output buffers. For the peak a process
-        reaches, mmap'd pages included, see `edgespec.memory.predict`."""
+        reaches, mmap'd pages included, see `edgespec.machine.memory.predict`."""
         other = {"batch": self.n_batch * 4 * 4}
         for name, suffix in (("repacked_weights", "_REPACK model"), ("compute", " compute"), ("output", " output")):
             total = sum(v for k, v in self.buffers.items() if k.endswith(suffix))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import load_runtime as _load_runtime
-from edgespec.aio import AsyncEngine, QueueFullError, TokenStream
+from edgespec.serve.aio import AsyncEngine, QueueFullError, TokenStream
 from edgespec.conversation import Conversation
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.errors import ContextOverflowError, EdgespecError

@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgespec import drafter_table
-from edgespec.drafter_table import DRAFTERS, build_drafters, spec_for
+from edgespec.drafters import table as drafter_table
+from edgespec.drafters.table import DRAFTERS, build_drafters, spec_for
 from edgespec.drafters import Draft, DrafterKind, DrafterSpec, DraftSources
 from edgespec.errors import EdgespecError
 from edgespec.policy import DEFAULT_DRAFT_MAX, MODES, NO_DRAFT, AdaptivePolicy, resolve_mode
-from edgespec.profile import CostProfile
+from edgespec.machine.profile import CostProfile
 from edgespec.sampling import Sampler, SamplingParams
-from edgespec.suffix import SuffixHistory
+from edgespec.drafters.suffix import SuffixHistory
 
 MS = 1e-3
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from edgespec import advice, hardware
-from edgespec.hardware import (CoreMLInfo, GPUProbe, HardwareReport, LlamaCppInfo, default_gpu_layers, detect,
+from edgespec.machine import advice
+from edgespec.machine import hardware
+from edgespec.machine.hardware import (CoreMLInfo, GPUProbe, HardwareReport, LlamaCppInfo, default_gpu_layers, detect,
                                device_key, memory_kind)
 
 DATA = Path(__file__).parent / "data" / "hardware"
@@ -517,7 +518,7 @@ def test_doctor_human_output():
 
 
 def test_hardware_module_imports_no_runtime():
-    code = ("import sys, edgespec.hardware, edgespec.advice; "
+    code = ("import sys, edgespec.machine.hardware, edgespec.machine.advice; "
             "print([m for m in ('llama_cpp', 'onnxruntime', 'coremltools', 'pynvml', 'torch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -95,7 +95,7 @@ def test_smollm2_greedy_speculation_is_lossless(smol_engine, plain_outputs, refe
 def test_smollm2_greedy_token_trees_are_lossless(smollm2_path, smollm2_draft, plain_outputs, reference):
     """Auto mode on a GPU-like profile (flat verify cost) verifies token trees; greedy output stays
     the target's own, up to near-ties."""
-    from edgespec.profile import CostProfile
+    from edgespec.machine.profile import CostProfile
 
     some = dict(list(plain_outputs.items())[:8])  # tree passes are slow on this CPU: 8 prompts
     tree_rounds = []

@@ -16,7 +16,7 @@ from scipy import stats
 
 from conftest import load_runtime
 from edgespec.engine import Engine, GenerationConfig
-from edgespec.profile import CostProfile
+from edgespec.machine.profile import CostProfile
 from edgespec.sampling import SamplingParams, token_distribution
 from edgespec.verify import accept_sampling
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import load_runtime
 from edgespec.errors import EdgespecError
-from edgespec.memory import (MiB, Calibration, Hardware, ModelSettings, Setup, compute_buffer_bytes, format_bytes,
+from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelSettings, Setup, compute_buffer_bytes, format_bytes,
                              model_facts, padded_ctx, parse_size, predict, repacked, row_bytes)
 
 X86 = Calibration(build="test", cpu_features=("AVX", "AVX2", "AVX512", "REPACK"))
@@ -58,7 +58,7 @@ def test_mapped_and_repacked_weights_equal_llama_cpps_buffers(qwen05):
     """The 0.5B model mixes Q5_0, Q8_0, Q6_K and Q4_K: only its Q4_K matrices are repacked on AVX2."""
     rt = load_runtime(qwen05.path, n_ctx=512)
     try:
-        from edgespec.memory import _model_terms, calibrate
+        from edgespec.machine.memory import _model_terms, calibrate
 
         cal = calibrate()
         host, dev, _ = _model_terms(qwen05, ModelSettings(n_ctx=512, n_outputs_max=1), cal, Hardware(), "m")
@@ -83,7 +83,7 @@ def test_repack_rules_follow_the_cpu_features(qwen05):
 
 def test_compute_buffer_matches_llama_cpp_on_a_model_it_was_not_calibrated_on(qwen05):
     """The scales come from SmolLM2's dry runs; here the 0.5B Qwen at other sizes and KV types."""
-    from edgespec.memory import calibrate
+    from edgespec.machine.memory import calibrate
     from edgespec.runtimes.llamacpp import dry_run_compute_buffers
 
     cal = calibrate()
@@ -188,7 +188,7 @@ def resident_ballast(nbytes: int):
 
 def test_cap_choice_shortens_or_drops_the_draft():
     from edgespec.drafters import Draft
-    from edgespec.guard import cap_choice
+    from edgespec.machine.guard import cap_choice
     from edgespec.policy import Choice
 
     proposal = Draft(np.arange(6, dtype=np.int32))
@@ -203,8 +203,8 @@ def test_cap_choice_shortens_or_drops_the_draft():
 
 def test_guard_shrinks_then_drops_then_stops():
     """Pressure is real: the budget is set just under what this process holds now."""
-    from edgespec.guard import MemoryBudgetError, MemoryGuard
-    from edgespec.memory import current_rss
+    from edgespec.machine.guard import MemoryBudgetError, MemoryGuard
+    from edgespec.machine.memory import current_rss
 
     dropped = []
     guard = MemoryGuard(int(current_rss() / 0.98), max_draft=4, release_draft=lambda: dropped.append(True))
@@ -220,8 +220,8 @@ def test_guard_shrinks_then_drops_then_stops():
 
 
 def test_guard_without_pressure_keeps_the_plan():
-    from edgespec.guard import MemoryGuard
-    from edgespec.memory import current_rss
+    from edgespec.machine.guard import MemoryGuard
+    from edgespec.machine.memory import current_rss
 
     guard = MemoryGuard(current_rss() * 4, max_draft=3)
     assert [guard.check() for _ in range(3)] == [3, 3, 3] and not guard.events

@@ -323,7 +323,7 @@ def test_plain_greedy_on_onnx_equals_llama_cpp(exported, onnx_plain):
 
 @pytest.mark.parametrize("mode,k", [("draft", 1), ("draft", 4), ("lookup", 2), ("lookup", 5), ("auto", None)])
 def test_speculation_on_onnx_is_lossless(exported, onnx_engine, onnx_plain, mode, k):
-    from edgespec.profile import CostProfile
+    from edgespec.machine.profile import CostProfile
 
     if mode == "auto":  # a GPU-like profile (flat verify cost), so auto really drafts
         onnx_engine._profile = CostProfile({n: 0.01 for n in (1, 2, 3, 4, 6, 8)}, 0.001, 0.0012, 0.00005)
@@ -465,7 +465,7 @@ def test_bundle_self_draft_is_the_listed_quant(exported, tmp_path):
 def test_cost_profile_is_keyed_by_onnx_build_and_provider(exported, tmp_path, monkeypatch):
     import onnxruntime
 
-    from edgespec.profile import load_or_measure, profile_key
+    from edgespec.machine.profile import load_or_measure, profile_key
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     target, draft = onnx_runtime(exported["llama"]["onnx"]), onnx_runtime(exported["llama_draft"]["onnx"])

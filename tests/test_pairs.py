@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from edgespec.errors import EdgespecError
-from edgespec.memory import MiB, model_facts
+from edgespec.machine.memory import MiB, model_facts
 from edgespec.models import hub, pairs
 from tiny_models import write_tiny_llama
 

@@ -17,7 +17,7 @@ from conftest import load_runtime
 from test_lossless_sampling import N_SAMPLES, N_TOKENS, PROMPT, SAMPLING, chi_square_pvalue, exact_joint
 from test_server import COUNTING, KEY, MODEL, health, post, running_server
 from edgespec.engine import Engine, GenerationConfig
-from edgespec.slots import ParallelEngine, SlotScheduler, SlotsError, slot_context
+from edgespec.serve.slots import ParallelEngine, SlotScheduler, SlotsError, slot_context
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "import numpy as np\n\n# a function that", "Water boils at",
@@ -223,8 +223,8 @@ def test_sampled_outputs_under_load_pass_the_chi_square_check(tiny_pair, tmp_pat
 
 def test_a_budget_plans_and_loads_the_slots(smollm2_path):
     """serve --parallel N --budget B: the plan's pool and rows are what gets loaded, and it serves."""
-    from edgespec.memory import current_rss
-    from edgespec.planner import apply_budget_parallel
+    from edgespec.machine.memory import current_rss
+    from edgespec.machine.planner import apply_budget_parallel
 
     # The plan counts what this process already holds: a long pytest run holds much, so the budget is
     # that plus 1 GiB (a fixed "1G" passes alone and fails after other tests loaded their models).

@@ -1,6 +1,6 @@
 """The memory plan against reality: predicted vs measured peaks, budgets, the CLI, saved sessions.
 
-The measured grid runs each point in a fresh process (`python -m edgespec.memprobe measure`) that loads
+The measured grid runs each point in a fresh process (`python -m edgespec.machine.memprobe measure`) that loads
 the setup, prefills a prompt longer than one ubatch (so the whole compute buffer is used), generates,
 and reports its peak resident set (VmHWM: anonymous pages and file-backed weight pages alike).
 """
@@ -18,8 +18,8 @@ import pytest
 
 from edgespec.engine import GenerationStream
 from edgespec.errors import EdgespecError
-from edgespec.memory import MiB, Hardware, ModelSettings, Setup, calibrate, model_facts, predict
-from edgespec.planner import candidates, plan, setup_for
+from edgespec.machine.memory import MiB, Hardware, ModelSettings, Setup, calibrate, model_facts, predict
+from edgespec.machine.planner import candidates, plan, setup_for
 
 TOLERANCE = 0.10
 TOLERANCE_MIN = 32 * MiB
@@ -60,7 +60,7 @@ def _grid_setup(point, paths, cal):
 def measured_grid(smollm2_path, smollm2_draft, qwen_pair, cal):
     """Every grid point measured in its own fresh process, two at a time, one thread each (a busy machine's
     CPUs are shared anyway, and each process's peak is its own)."""
-    from edgespec.memprobe import run_measure_subprocess
+    from edgespec.machine.memprobe import run_measure_subprocess
 
     paths = {"smol": smollm2_path, "smol_q4_0": smollm2_draft, "qwen": qwen_pair[0], "qwen_draft": qwen_pair[1]}
     setups = {p[0]: _grid_setup(p, paths, cal) for p in GRID}
@@ -96,7 +96,7 @@ def test_predicted_peak_matches_the_measured_one(point, measured_grid, cal):
 def test_calibration_came_from_other_configurations(cal):
     """The compute scales are fitted on SmolLM2 dry runs, the residuals on a SmolLM2 run at a context of
     768: no grid point shares that configuration."""
-    from edgespec.memprobe import REFERENCE_RUN
+    from edgespec.machine.memprobe import REFERENCE_RUN
 
     ref = cal.measured["settings"]
     assert ref["n_ctx"] == REFERENCE_RUN["n_ctx"]
@@ -118,7 +118,7 @@ def _ordered(target, draft, cal, ctx):
 
 def _budget_just_below(options) -> int:
     """A budget that none of these settings fits, margin included."""
-    from edgespec.planner import _margin
+    from edgespec.machine.planner import _margin
 
     return min(p + _margin(p) for _, p in options) - MiB
 
@@ -182,7 +182,7 @@ def test_on_a_discrete_gpu_the_targets_kv_moves_to_host_and_the_drafts_stays(qwe
 
 def test_apply_budget_loads_the_plan_and_reports_the_peak(smollm2_path, smollm2_draft):
     from edgespec.engine import GenerationConfig
-    from edgespec.planner import apply_budget
+    from edgespec.machine.planner import apply_budget
 
     engine, result = apply_budget(smollm2_path, smollm2_draft, budget="3G", ctx=1024, max_draft=3,
                                   sampling=False, n_threads=1)
@@ -205,9 +205,9 @@ def test_under_pressure_the_engine_shrinks_then_drops_the_draft_then_stops(smoll
     """Real pressure: resident ballast grows between rounds until the guard gives up the draft, then
     stops with a clear error instead of crossing the budget."""
     from edgespec.engine import GenerationConfig
-    from edgespec.guard import MemoryBudgetError
-    from edgespec.memory import current_rss
-    from edgespec.planner import apply_budget
+    from edgespec.machine.guard import MemoryBudgetError
+    from edgespec.machine.memory import current_rss
+    from edgespec.machine.planner import apply_budget
     from test_memory import resident_ballast
 
     engine, result = apply_budget(smollm2_path, smollm2_draft, budget=current_rss() + 600 * MiB, ctx=1024,
@@ -283,7 +283,7 @@ def test_generate_with_a_budget_reports_predicted_and_measured_peaks(smollm2_pat
 
 
 def _parse_size(text: str) -> int:
-    from edgespec.memory import parse_size
+    from edgespec.machine.memory import parse_size
 
     return parse_size(text.replace(" ", "").replace("iB", ""))
 
@@ -370,7 +370,7 @@ def test_saved_session_with_quantized_kv_and_a_draft_continues_identically(smoll
 def test_parallel_slots_plan_one_pool_and_every_slots_rows(smollm2_path, cal):
     """--parallel N: --ctx is the pool the slots share (same KV bytes), N x (k + 1) logits rows per pass,
     flash attention off; a pool too small for the slots is refused in one line."""
-    from edgespec.slots import SlotsError
+    from edgespec.serve.slots import SlotsError
 
     one = plan(smollm2_path, budget=2 << 30, ctx=4096, hardware=Hardware(), calibration=cal)
     four = plan(smollm2_path, budget=2 << 30, ctx=4096, hardware=Hardware(), calibration=cal, parallel=4)

@@ -11,7 +11,7 @@ from conftest import load_runtime
 from edgespec.drafters import PromptLookupDrafter
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.policy import AdaptivePolicy
-from edgespec.profile import CostProfile
+from edgespec.machine.profile import CostProfile
 from edgespec.sampling import Sampler, SamplingParams
 from lossless import compare_greedy
 

@@ -55,7 +55,7 @@ def test_the_ingress_reads_the_replica_from_the_session_id():
 
     from edgespec.cloud.protocol import SessionRequest, pack
     from edgespec.sampling import SamplingParams
-    from edgespec.scaleout import VerifierIngress, replica_of
+    from edgespec.serve.scaleout import VerifierIngress, replica_of
 
     route = VerifierIngress._route
     start = SessionRequest(np.array([1, 2, 3], dtype=np.int32), SamplingParams(temperature=0.0), 7, None)
@@ -72,7 +72,7 @@ def test_the_ingress_reads_the_replica_from_the_session_id():
 
 def test_replicas_and_autoscaling_become_ray_serve_settings():
     from edgespec.errors import EdgespecError
-    from edgespec.scaleout import RayOptions, parse_autoscale
+    from edgespec.serve.scaleout import RayOptions, parse_autoscale
 
     assert RayOptions(replicas=3).scaling(8) == {"num_replicas": 3}
     scaled = RayOptions(autoscale=parse_autoscale("0,4"))
@@ -130,7 +130,7 @@ def test_cli_serves_the_openai_api_on_ray_and_stops_cleanly(tiny_pair, tmp_path)
 
 @pytest.fixture(scope="module")
 def ray_verifier(smollm2_path):
-    from edgespec import scaleout
+    from edgespec.serve import scaleout
 
     options = scaleout.RayOptions(replicas=2, cpus_per_replica=1.0)
     config = VerifierConfig(api_keys=(API_KEY,), max_sessions=8, max_context=512)
@@ -158,7 +158,7 @@ def session_ids(client) -> list[str]:
 def test_two_replicas_serve_eight_sessions_and_a_killed_replica_loses_none(ray_verifier, smol_target, smollm2_draft):
     import ray
 
-    from edgespec.scaleout import replica_of
+    from edgespec.serve.scaleout import replica_of
 
     n_clients, n_tokens = 8, 40
     replicas = ray_verifier.replica_ids()

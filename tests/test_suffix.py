@@ -14,7 +14,7 @@ from conftest import load_runtime
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.errors import EdgespecError
 from edgespec.policy import AdaptivePolicy, ConfidenceCalibration
-from edgespec.suffix import SEPARATOR, SuffixDrafter, SuffixHistory
+from edgespec.drafters.suffix import SEPARATOR, SuffixDrafter, SuffixHistory
 from lossless import compare_greedy
 from test_policy import MS, make_state
 
@@ -124,7 +124,7 @@ def test_auto_weighs_suffix_confidence_as_calibrated_by_the_target():
         calibration.record(confident, 0, True)
     assert calibration.rates(confident)[0] < min(0.5, confirmed / 3)
 
-    from edgespec.profile import CostProfile
+    from edgespec.machine.profile import CostProfile
 
     drafter = drafter_with([1, 2, 3, 4, 5, 6, 7, 8])
     cheap = CostProfile({n: 10 * MS * (1 + 0.2 * (n - 1)) for n in (1, 2, 4, 8)}, None, None, 0.0)  # cheap, not free

@@ -661,7 +661,7 @@ class NvmlPoller:
 
 
 def phase_guard(run: Run, until: float) -> str | None:
-    from edgespec.memory import calibrate, format_bytes, parse_size
+    from edgespec.machine.memory import calibrate, format_bytes, parse_size
     from edgespec.runtimes import llamacpp
 
     sizes = ready_sizes(run)

@@ -1,5 +1,5 @@
 /**
- * Drafters propose the tokens the target then verifies in one pass (edgespec/drafters.py). A drafter
+ * Drafters propose the tokens the target then verifies in one pass (edgespec/drafters/). A drafter
  * sees the committed context (prompt and emitted tokens; its last token is the one the target has not
  * evaluated yet) and returns up to k tokens, with the distributions it drew them from when sampling, or
  * null when it is deterministic (prompt lookup: one-hot).

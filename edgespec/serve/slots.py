@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.aio import AsyncGeneration, QueueFullError, RequestTimeoutError, Submitter
+from edgespec.serve.aio import AsyncGeneration, QueueFullError, RequestTimeoutError, Submitter
 from edgespec.detokenize import Detokenizer
 from edgespec.engine import Engine, GenerationConfig, SpeculativeState
 from edgespec.errors import EdgespecError
@@ -86,7 +86,7 @@ class ParallelEngine:
         self.slot_ctx = slot_ctx
         if slot_ctx * self.n_slots > target.n_ctx:  # then a full slot could not overflow the pool
             raise SlotsError(f"{self.n_slots} slots of {slot_ctx} tokens do not fit a pool of {target.n_ctx} cells")
-        from edgespec.suffix import SuffixHistory
+        from edgespec.drafters.suffix import SuffixHistory
 
         history = SuffixHistory()  # one for all slots: a request may copy from any earlier one's output
         self.engines = [Engine(target.sequence(i, slot_ctx), draft.sequence(i, slot_ctx) if draft else None,

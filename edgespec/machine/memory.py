@@ -30,7 +30,7 @@ the CPU); the fixed GPU overheads are defaults until a calibration on that GPU r
 
 This module reads GGUF files with the `gguf` package and never imports llama.cpp: whatever needs
 llama.cpp (calibration, the GGUF reading too, kept out of the caller's process so the reader's
-transient memory never counts against a budget) runs in a fresh subprocess (`edgespec.memprobe`).
+transient memory never counts against a budget) runs in a fresh subprocess (`edgespec.machine.memprobe`).
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ def facts_from_reader(path: str | os.PathLike) -> ModelFacts:
 
 
 def _run_probe(args: list[str], timeout: float = 600) -> dict:
-    """Run `python -m edgespec.memprobe ARGS` in a fresh process; its last stdout line is JSON."""
-    done = subprocess.run([sys.executable, "-m", "edgespec.memprobe", *args], capture_output=True,
+    """Run `python -m edgespec.machine.memprobe ARGS` in a fresh process; its last stdout line is JSON."""
+    done = subprocess.run([sys.executable, "-m", "edgespec.machine.memprobe", *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or not lines:
@@ -349,7 +349,7 @@ def fit_calibration(build: str, system_info: str, facts: ModelFacts, dry_runs: l
     runs: "one" and "two" (the reference model alone, and with a second copy as draft) each with
     `peak` (VmHWM), `base` (RSS before loading) and the `setup` that ran.
     """
-    from edgespec.hardware import parse_llama_system_info
+    from edgespec.machine.hardware import parse_llama_system_info
 
     cpu = parse_llama_system_info(system_info).get("CPU", {})
     features = tuple(sorted(k for k, v in cpu.items() if v == "1"))
@@ -428,7 +428,7 @@ class Hardware:
 
     @classmethod
     def detect(cls, use_gpu: bool | None = None) -> "Hardware":
-        from edgespec import hardware as hw
+        from edgespec.machine import hardware as hw
 
         report = hw.detect(onnxruntime=False)
         kind = hw.memory_kind(report, use_gpu)

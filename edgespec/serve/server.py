@@ -5,9 +5,9 @@ Speculative decoding runs inside, with the mode and draft chosen at start. Every
 OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and an `edgespec` extension field:
 the speculative stats of the generation, how long it queued, and what the prefix cache did.
 
-Requests are served one at a time in arrival order from a bounded queue (`edgespec.aio`), or with
+Requests are served one at a time in arrival order from a bounded queue (`edgespec.serve.aio`), or with
 a `ParallelEngine` (`serve --parallel N`) up to N at once, every active request advanced in one
-batched target pass per step (`edgespec.slots`); a full queue answers 429. Each request has a time
+batched target pass per step (`edgespec.serve.slots`); a full queue answers 429. Each request has a time
 limit, max_tokens and the body size are bounded, a client that disconnects cancels its generation,
 and an API key can be required (it must be when binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
 "param", "code"}}`.
@@ -32,12 +32,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgespec.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTimeoutError
+from edgespec.serve.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTimeoutError
 from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
 from edgespec.errors import ContextOverflowError, EdgespecError
-from edgespec.prefix_cache import PrefixCache
+from edgespec.serve.prefix_cache import PrefixCache
 from edgespec.runtimes.base import SavedState
-from edgespec.slots import ParallelEngine, SlotScheduler, StepFailedError
+from edgespec.serve.slots import ParallelEngine, SlotScheduler, StepFailedError
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from edgespec.hardware import (HardwareReport, default_gpu_layers, device_memory_bytes, memory_kind,
+from edgespec.machine.hardware import (HardwareReport, default_gpu_layers, device_memory_bytes, memory_kind,
                                parse_llama_system_info)
 
 LLAMA_CPP_VERSION = "0.3.36"
@@ -313,8 +313,8 @@ def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
         f"providers: {', '.join(ort['providers']) or '-'}", ort["source"])
     row("Core ML", ("can run" if doc["coreml"]["can_run"] else "cannot run") + f": {doc['coreml']['reason']}",
         doc["coreml"]["source"])
-    row("device key", doc["device_key"], "edgespec.hardware.device_key")
-    row("memory kind / GPU layers", f"{doc['memory_kind']} / {doc['gpu_layers']}", "edgespec.hardware")
+    row("device key", doc["device_key"], "edgespec.machine.hardware.device_key")
+    row("memory kind / GPU layers", f"{doc['memory_kind']} / {doc['gpu_layers']}", "edgespec.machine.hardware")
     console.print(table)
     for a in doc["advice"]:
         console.print(Text.assemble((a["topic"], "bold"), ": ", a["message"]))

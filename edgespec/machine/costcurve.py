@@ -1,6 +1,6 @@
 """The whole cost curve of a target: one verify pass of every size 1..N, and token trees of several widths.
 
-`edgespec.profile` samples the pass sizes auto needs, quickly, once per machine. This measures the
+`edgespec.machine.profile` samples the pass sizes auto needs, quickly, once per machine. This measures the
 curve point by point (for `edgespec profile --curve N` and the GPU benchmark), so a reader can see
 where a pass of k + 1 tokens stops costing the same as one (a GPU's flat region) and what a tree's
 extra branches add over a chain of as many nodes. Nothing here feeds the policy directly.
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from edgespec.profile import CONTEXT_TOKENS, _best_time
+from edgespec.machine.profile import CONTEXT_TOKENS, _best_time
 from edgespec.runtimes.base import Runtime, TreeDecoding
 
 TREE_NODES = (4, 8, 16)

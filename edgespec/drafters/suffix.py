@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.drafters import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, with_siblings
+from edgespec.drafters.base import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, with_siblings
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler
 

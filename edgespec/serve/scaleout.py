@@ -356,7 +356,7 @@ class OpenAIReplica:
         self.config = config
 
     def __serve_build_asgi_app__(self):
-        from edgespec.server import create_app
+        from edgespec.serve.server import create_app
 
         return create_app(self.engine, self.config)
 

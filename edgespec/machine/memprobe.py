@@ -1,4 +1,4 @@
-"""What the memory model measures, each run in a fresh process: `python -m edgespec.memprobe COMMAND`.
+"""What the memory model measures, each run in a fresh process: `python -m edgespec.machine.memprobe COMMAND`.
 
     facts PATH           GGUF geometry and tensor table (gguf.GGUFReader), as JSON
     build                this llama.cpp build: version and compiled features
@@ -28,7 +28,7 @@ def _imports_like_the_cli() -> None:
 
 
 def cmd_facts(path: str) -> dict:
-    from edgespec.memory import facts_from_reader
+    from edgespec.machine.memory import facts_from_reader
 
     return facts_from_reader(path).to_dict()
 
@@ -57,7 +57,7 @@ def cmd_calibrate(reference: str | None = None) -> dict:
     from dataclasses import asdict
 
     from edgespec.loader import resolve
-    from edgespec.memory import (Hardware, ModelSettings, Setup, current_rss, facts_from_reader,
+    from edgespec.machine.memory import (Hardware, ModelSettings, Setup, current_rss, facts_from_reader,
                                  fit_calibration)
     from edgespec.runtimes import llamacpp
 
@@ -91,7 +91,7 @@ def run_measure_subprocess(job: dict, timeout: float = 900, command: str = "meas
     import os
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "edgespec.memprobe", command, json.dumps(job)],
+    done = subprocess.run([sys.executable, "-m", "edgespec.machine.memprobe", command, json.dumps(job)],
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     if done.returncode != 0 or not lines:
@@ -112,7 +112,7 @@ def cmd_measure(job: dict) -> dict:
     """Load the setup a job describes, prefill its prompt, generate, and report what the process held."""
     _imports_like_the_cli()
     from edgespec.engine import Engine, GenerationConfig
-    from edgespec.memory import current_rss, peak_rss, read_status
+    from edgespec.machine.memory import current_rss, peak_rss, read_status
     from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
 
     setup = job["setup"]

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from edgespec.errors import EdgespecError
-from edgespec.memory import current_rss, format_bytes, peak_rss
+from edgespec.machine.memory import current_rss, format_bytes, peak_rss
 
 if TYPE_CHECKING:
     from edgespec.engine import SpeculativeState

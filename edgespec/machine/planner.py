@@ -1,7 +1,7 @@
 """The memory planner: choose the settings of a target + draft setup that fit a memory budget.
 
 `plan(target, draft, budget=...)` searches the settings in order of what they cost to give up and
-returns the first that fits, with its predicted peak and a breakdown (see `edgespec.memory`):
+returns the first that fits, with its predicted peak and a breakdown (see `edgespec.machine.memory`):
 
 1. the context asked for (without --ctx: 4096, then 2048, 1024, 512);
 2. the draft on (only once nothing with the draft fits: the draft off, and the same steps again);
@@ -24,7 +24,7 @@ budget, and on a discrete GPU the VRAM within --gpu-budget. When nothing fits th
 names the smallest budget that would.
 
 `apply_budget(...)` plans, loads exactly the planned settings and returns an Engine whose memory
-guard watches the real peak at run time (see `edgespec.guard`).
+guard watches the real peak at run time (see `edgespec.machine.guard`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edgespec.errors import EdgespecError
-from edgespec.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
+from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
 
 CTX_LADDER = (4096, 2048, 1024, 512)
@@ -265,7 +265,7 @@ def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, b
     contexts = (ctx,) if ctx else tuple(c for c in CTX_LADDER if not t_facts.n_ctx_train or c <= t_facts.n_ctx_train)
     contexts = contexts or (CTX_LADDER[-1],)
     if parallel > 1:
-        from edgespec.slots import slot_context
+        from edgespec.serve.slots import slot_context
 
         contexts = contexts if ctx else tuple(c * parallel for c in contexts)
         slot_context(contexts[0], parallel)  # a pool too small for the slots is said at once
@@ -345,8 +345,8 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
     """
     from edgespec import loader
     from edgespec.engine import Engine
-    from edgespec.guard import MemoryGuard
-    from edgespec.memory import current_rss, parse_size
+    from edgespec.machine.guard import MemoryGuard
+    from edgespec.machine.memory import current_rss, parse_size
     from edgespec.runtimes import llamacpp
 
     budget_b = parse_size(budget)
@@ -390,9 +390,9 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
     plan's peak is the one a full pool and N verify passes reach.
     """
     from edgespec import loader
-    from edgespec.memory import current_rss, parse_size
+    from edgespec.machine.memory import current_rss, parse_size
     from edgespec.runtimes import llamacpp
-    from edgespec.slots import ParallelEngine, slot_context
+    from edgespec.serve.slots import ParallelEngine, slot_context
 
     budget_b = parse_size(budget)
     target_path, draft_path = _resolve(target, draft)
@@ -443,7 +443,7 @@ def release_draft(engine) -> None:
 def plan_for_cli(target: str | None, draft: str | None, *, budget: str, gpu_budget: str | None = None,
                  ctx: int | None = None, max_draft: int | None = None, parallel: int = 1) -> Plan:
     """`edgespec plan`: resolve names, calibrate (once per build), plan for a fresh process."""
-    from edgespec.memory import parse_size
+    from edgespec.machine.memory import parse_size
     from edgespec.runtimes import llamacpp
 
     target_path, draft_path = _resolve(target, draft)

@@ -140,7 +140,7 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     history = rng.integers(100, 1000, size=2048).astype(np.int32)
     lookup, sampler = PromptLookupDrafter(), Sampler(SamplingParams(temperature=0), 0)
     lookup_s = _best_time(lambda: lookup.propose(history, 8, sampler), 5)
-    from edgespec.suffix import DEFAULT_HISTORY_TOKENS, SuffixDrafter, SuffixHistory
+    from edgespec.drafters.suffix import DEFAULT_HISTORY_TOKENS, SuffixDrafter, SuffixHistory
 
     past = SuffixHistory()
     past.add(rng.integers(100, 1000, size=DEFAULT_HISTORY_TOKENS).astype(np.int32))
@@ -178,7 +178,7 @@ def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | Non
     Returns (profile, measured_now).
     """
     if device is None:
-        from edgespec.hardware import detect, device_key
+        from edgespec.machine.hardware import detect, device_key
 
         # NVML as doctor and the planner ask it: without it a GPU has no compute capability and the key
         # read "cuda-NVIDIA_H200-smunknown" where docs/install.md (and doctor) say "...-sm90".

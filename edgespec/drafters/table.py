@@ -1,7 +1,7 @@
 """The drafters edgespec knows, one row each: the engine builds its drafters from this table, `--mode`
 offers each by name, and auto weighs each by the kind its row declares (edgespec.policy).
 
-Adding a drafter: a module with its class and its `DrafterSpec` (see edgespec/drafters.py), a test,
+Adding a drafter: a module in this package with its class and its `DrafterSpec` (see base.py), a test,
 and a row here. A model-free drafter (DrafterKind.COPIES) needs nothing else; a second draft model
 would also need its own step cost in the profile (auto prices DrafterKind.MODEL by the profile's
 draft_s).
@@ -9,9 +9,11 @@ draft_s).
 
 from __future__ import annotations
 
-from edgespec.drafters import DRAFT_MODEL, PROMPT_LOOKUP, Drafter, DrafterSpec, DraftSources
+from edgespec.drafters.base import Drafter, DrafterSpec, DraftSources
+from edgespec.drafters.draft_model import DRAFT_MODEL
+from edgespec.drafters.lookup import PROMPT_LOOKUP
 from edgespec.errors import EdgespecError
-from edgespec.suffix import SUFFIX
+from edgespec.drafters.suffix import SUFFIX
 
 # The order is --mode's order in help and errors, and the order auto weighs drafters of one kind in
 # (the first of equally fast proposals wins).
@@ -24,7 +26,7 @@ def spec_for(name: str) -> DrafterSpec:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise EdgespecError(f"drafter {name!r} is not in the drafter table (edgespec.drafter_table.DRAFTERS)") from None
+        raise EdgespecError(f"drafter {name!r} is not in the drafter table (edgespec.drafters.table.DRAFTERS)") from None
 
 
 def build_drafters(sources: DraftSources) -> dict[str, Drafter]:

@@ -773,7 +773,7 @@ def detect_jetson(root: str | Path = "/") -> JetsonInfo | None:
         sources["jetpack"] = "/var/lib/dpkg/status (nvidia-jetpack)"
     elif l4t and jetpack_for_l4t(l4t):
         jetpack = jetpack_for_l4t(l4t)
-        sources["jetpack"] = "L4T release via edgespec.hardware.L4T_TO_JETPACK"
+        sources["jetpack"] = "L4T release via edgespec.machine.hardware.L4T_TO_JETPACK"
     else:
         unavailable["jetpack"] = (f"unavailable: nvidia-jetpack not installed and L4T {l4t} is not in "
                                   "edgespec's JetPack table" if l4t else "unavailable: no L4T release to map")

@@ -1,0 +1,121 @@
+"""Drafters propose the tokens the target then verifies in one pass.
+
+A drafter sees the committed context (prompt and emitted tokens; its last token is the one the
+target has not evaluated yet) and returns up to k tokens, with the distributions it drew them from
+when sampling, or None when it is deterministic (prompt lookup: one-hot).
+
+This module holds what every drafter shares: the `Draft` it returns, the `Drafter` protocol, and the
+`DrafterSpec` that declares one. Each drafter is one module of this package (lookup.py, draft_model.py,
+suffix.py) with its class and its spec beside it, registered in the one table, edgespec.drafters.table.DRAFTERS:
+the engine builds its drafters from that table, `--mode` offers them, and auto weighs them by their declared kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Protocol
+
+import numpy as np
+
+from edgespec.runtimes.base import Runtime
+from edgespec.sampling import Sampler
+
+# Annotations below name edgespec.machine.profile.CostProfile and edgespec.drafters.suffix.SuffixHistory without importing
+# them: both modules import this one.
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: np.ndarray               # int32, shape (m,), m <= k
+    probs: np.ndarray | None = None  # (m, n_vocab) draft distributions, None = deterministic
+    parents: np.ndarray | None = None  # a tree: parent node of each token (0 = the last committed
+    #                                    token, i + 1 = tokens[i]); None = a chain
+    confidence: np.ndarray | None = None  # (m,) the drafter's own chance that token i follows, given
+    #                                       tokens[:i] did (suffix drafting); None = not given
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
+
+
+class Drafter(Protocol):
+    name: str
+
+    def prepare(self, context: np.ndarray) -> None:
+        """Prefill whatever the drafter needs for this context (counted in time to first token)."""
+
+    def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
+        """Up to k tokens continuing `context`. `gate(n, confidence, product) -> bool` may end a
+        draft early, and `branch(n_nodes, p_alt, reach) -> bool` may add a runner-up token as a
+        sibling leaf, making a tree; drafters that know their confidence honour them, others ignore them."""
+
+
+class DrafterKind(Enum):
+    """How auto asks a drafter and learns how far to trust it (edgespec.policy.AdaptivePolicy)."""
+
+    COPIES = "copies"  # model-free: copies from text. Nothing to prefill; so cheap that auto asks it every
+    #                    round, used or not, and scores the proposal against what the target commits
+    MODEL = "model"    # a draft model: prefilled and kept in step with the committed text, at a cost per
+    #                    drafted token (the profile's draft_s); asked only in rounds that use it
+
+
+@dataclass(frozen=True)
+class DraftSources:
+    """What an engine has to build its drafters from."""
+
+    draft: Runtime | None = None              # the draft model, if one is loaded
+    history: "SuffixHistory | None" = None    # earlier generations' outputs (suffix drafting)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One row of the drafter table: what the engine, auto and the CLI know about a drafter."""
+
+    name: str                 # the drafter's `name`: its --mode, its key in stats and in auto's estimates
+    kind: DrafterKind
+    summary: str              # what --mode NAME does, for the CLI's help
+    default_k: int            # tokens drafted per round under --mode NAME
+    build: Callable[[DraftSources], "Drafter | None"]  # None: not available with these sources
+    ask_s: Callable[["CostProfile"], float] | None = None  # COPIES: what auto pays to ask it once a round
+    trees: bool = False       # can widen a proposal into a token tree (honours `branch`)
+    confident: bool = False   # states a confidence per token, which auto calibrates (ConfidenceCalibration)
+    unavailable: str = ""     # the error for --mode NAME when `build` gives None
+
+    def __post_init__(self):
+        if self.kind is DrafterKind.COPIES and self.ask_s is None:
+            raise ValueError(f"drafter {self.name!r} copies, so auto asks it every round: declare its ask_s")
+
+
+def _top_probability(logits: np.ndarray) -> float:
+    """Softmax probability of the argmax: the draft's confidence in a greedy token."""
+    top = logits.max()
+    return float(1.0 / np.exp(logits - top).sum())
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def _second_choice(dist: np.ndarray, first: int) -> int:
+    top2 = np.argpartition(-dist, 1)[:2]
+    return int(top2[0] if top2[0] != first else top2[1])
+
+
+def with_siblings(chain: np.ndarray, siblings: list[tuple[int, int]]) -> Draft:
+    """A chain plus sibling leaves: each sibling is an alternative to the chain token at its position."""
+    tokens, parents = [], []
+    node_of_position = []  # tree node of chain position i
+    alternatives = dict(siblings)
+    for i, token in enumerate(chain.tolist()):
+        parent = node_of_position[-1] if node_of_position else 0
+        tokens.append(token)
+        parents.append(parent)
+        node_of_position.append(len(tokens))
+        if i in alternatives:  # listed after the chain token, so the chain stays the first child
+            tokens.append(alternatives[i])
+            parents.append(parent)
+    return Draft(np.asarray(tokens, dtype=np.int32), None, np.asarray(parents, dtype=np.int64))
