@@ -342,3 +342,25 @@ def test_cli_runs_mlx_and_refuses_bad_input_in_one_line(hf_tiny, tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.strip() == ("error: the MLX runtime needs mlx and mlx-lm (mlx is not installed): "
                                    "pip install 'edgespec[mlx]'")
+
+
+def test_an_mlx_repo_loads_by_its_hub_name(mlx_4bit, tmp_path, monkeypatch):
+    """`--runtime mlx --target hf:OWNER/REPO`: the repo is fetched whole (sha256-checked) through the
+    project's hub source, as for `edgespec export`, and runs."""
+    from hub_server import HubServer
+
+    files = {p.relative_to(mlx_4bit).as_posix(): p.read_bytes() for p in mlx_4bit.rglob("*") if p.is_file()}
+    with HubServer() as server:
+        server.add("mlx-community/Tiny-4bit", files)
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "edgespec"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        with Engine.load("hf:mlx-community/Tiny-4bit", runtime="mlx", n_ctx=128) as engine:
+            assert engine.target.directory.parent.name == "snapshots"
+            out = engine.generate_tokens([5, 6, 7, 8], GenerationConfig(max_tokens=5, temperature=0, mode="ar"))
+            assert len(out.tokens) == 5
+    with pytest.raises(EdgespecError, match="--draft auto picks among installed GGUF models"):
+        Engine.load(mlx_4bit, "auto", runtime="mlx")
