@@ -324,6 +324,7 @@ class LlamaCppRuntime(TokenSequence):
         self.n_threads = n_threads
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
         self.vocab = self._read_vocab()
+        self._grammar_tokenizer = None
 
         # One batch reused for every decode; plain decodes use sequence 0 only.
         self._batch = ll.llama_batch_init(self.n_batch, 0, options.n_seq_max)
@@ -369,6 +370,20 @@ class LlamaCppRuntime(TokenSequence):
     def chat_template(self) -> str | None:
         raw = ll.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
+
+    def grammar_tokenizer(self):
+        """llguidance's tokenizer over this model's own vocabulary, for constrained output (built on
+        first use, about 1 s for 150k tokens, then kept; it reads the model's vocab, so it lives as
+        long as the model)."""
+        if self._grammar_tokenizer is None:
+            import warnings
+
+            from llguidance.llamacpp import lltokenizer_from_vocab
+
+            with warnings.catch_warnings():  # it calls llama_token_get_attr, deprecated in llama-cpp-python
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab_ptr, n_vocab=self.n_vocab)
+        return self._grammar_tokenizer
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1024)
@@ -840,6 +855,9 @@ class LlamaCppSequence:
 
     def chat_template(self) -> str | None:
         return self.owner.chat_template()
+
+    def grammar_tokenizer(self):
+        return self.owner.grammar_tokenizer()
 
     def metadata(self, key: str) -> str | None:
         return self.owner.metadata(key)

@@ -1,0 +1,276 @@
+"""Constrained output (edgespec.structured) stays exact under speculation, for every drafter.
+
+Greedy: constrained output under lookup, draft, suffix and auto equals constrained plain decoding,
+token for token on the tiny models (f32; the same check the project makes for unconstrained greedy),
+and up to the project's near-tie rule on SmolLM2 (q4 batch numerics). Sampling: the joint
+distribution of the first three tokens is computed exactly from the target (its raw rows masked by
+the grammar at each position, then the sampling chain) and compared by chi-square with speculative
+samples; the grammar is position-dependent (a letter, then a non-letter, ...), so a verifier using
+the wrong row's mask fails too. The same test must reject an engine that masks only the emitted
+token and accepts drafts by the unmasked rows (what engines do when the grammar sits in the sampler).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import load_runtime
+from edgespec.engine import Engine, GenerationConfig, Verification
+from edgespec.errors import EdgespecError
+from edgespec.profile import CostProfile
+from edgespec.sampling import Sampler, SamplingParams, sample, token_distribution
+from edgespec.structured import Constraint, ConstraintError, Grammar
+from edgespec.verify import accept_sampling
+from lossless import compare_greedy
+from test_lossless_sampling import ALPHA, PROMPT, chi_square_pvalue
+
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["alpha", "beta", "gamma"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = {
+    "schema": Constraint.json_schema(SCHEMA),
+    "regex": Constraint.regex(r"(hel+o )+[a-z]{1,6}\."),
+    "gbnf": Constraint.gbnf('root ::= "[" item ("," item)* "]"\nitem ::= [0-9] | "hello" | "x" item'),
+}
+GPU_LIKE = CostProfile({n: 0.01 for n in (1, 2, 3, 4, 6, 8)}, 0.001, 0.0012, 0.00005)  # flat: auto drafts
+
+
+def text_of(engine, tokens) -> str:
+    return b"".join(engine.target.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_pair):
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512), load_runtime(tiny_pair["good_draft"], n_ctx=512)) as e:
+        e._profile = GPU_LIKE
+        yield e
+
+
+# --- constraints ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda: Constraint.json_schema({"type": "foo"}), "invalid json schema"),
+    (lambda: Constraint.json_schema("{not json"), "not valid JSON"),
+    (lambda: Constraint.json_schema({"type": "integer", "minimum": 5, "maximum": 1}), "invalid json schema"),
+    (lambda: Constraint.lark("start: ((("), "invalid lark"),
+    (lambda: Constraint.regex("(("), "invalid regex"),
+    (lambda: Constraint.gbnf("root ::= (("), "gbnf"),
+    (lambda: Constraint("yaml", "x"), "unknown constraint kind"),
+])
+def test_bad_constraints_fail_with_one_clear_line(make, fragment):
+    with pytest.raises(ConstraintError) as info:
+        make()
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert isinstance(info.value, EdgespecError)  # the CLI's exit-2 path
+
+
+def test_gbnf_and_lark_files_are_told_apart():
+    assert Constraint.grammar_text('root ::= "a"').kind == "gbnf"
+    assert Constraint.grammar_text('start: "a"').kind == "lark"
+
+
+def test_an_unsatisfiable_constraint_is_refused_before_generating(tiny_engine):
+    with pytest.raises(ConstraintError, match="admits no output"):
+        tiny_engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=4, temperature=0,
+                                                             constraint=Constraint.regex(r"[^\s\S]")))
+
+
+def test_masks_follow_the_grammar_position_by_position(tiny_engine):
+    """row_masks over a continuation equals walking the grammar one token at a time, and leaves the
+    matcher where it was."""
+    rt = tiny_engine.target
+    grammar = Grammar(rt.grammar_tokenizer(), CONSTRAINTS["regex"], n_vocab=rt.vocab.n_vocab,
+                      eog=rt.vocab.eog, position=0)
+    tokens = np.asarray(rt.tokenize("hello hello ab.", add_special=False), dtype=np.int32)
+    masks = grammar.row_masks(tokens[:0], tokens[:-1], len(tokens))
+    assert grammar.position == 0 and grammar.valid_prefix(tokens) == len(tokens)
+    for j, token in enumerate(tokens.tolist()):
+        assert masks[j][token] and (masks[j] == grammar.allowed()).all()
+        grammar.consume([token])
+    assert set(np.flatnonzero(grammar.allowed())) == set(rt.vocab.eog)  # complete: only the end
+
+
+# --- greedy: exact under every drafter -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_greedy_constrained_speculation_equals_constrained_plain(tiny_engine, name):
+    constraint = CONSTRAINTS[name]
+    cfg = dict(max_tokens=48, temperature=0, constraint=constraint)
+    plain = tiny_engine.generate_tokens(PROMPT, GenerationConfig(mode="ar", **cfg))
+    assert plain.stats.drafted == 0
+    for mode in ("lookup", "draft", "suffix", "auto"):
+        spec = tiny_engine.generate_tokens(PROMPT, GenerationConfig(mode=mode, **cfg))
+        assert spec.tokens == plain.tokens, f"{name} under {mode}: {text_of(tiny_engine, spec.tokens)!r}"
+    if name == "schema":  # a complete object, valid against its schema
+        assert plain.finish_reason == "stop"
+        jsonschema.validate(json.loads(text_of(tiny_engine, plain.tokens)), SCHEMA)
+
+
+def test_forced_tokens_are_drafted_and_counted_apart(tiny_engine):
+    cfg = GenerationConfig(max_tokens=48, temperature=0, mode="draft", constraint=CONSTRAINTS["schema"])
+    stats = tiny_engine.generate_tokens(PROMPT, cfg).stats
+    assert stats.forced > 0 and stats.forced_accepted == stats.forced  # '{"', key names, punctuation
+    assert stats.to_dict()["forced"] == stats.forced and "forced" in stats.summary()
+    assert stats.generated >= stats.accepted + stats.forced_accepted
+    plain = tiny_engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=48, temperature=0, mode="ar",
+                                                                 constraint=CONSTRAINTS["schema"])).stats
+    assert plain.rounds < plain.generated  # plain decoding emits the forced runs in fewer passes too
+
+
+@pytest.mark.slow
+def test_smollm2_json_under_speculation(smollm2_path, smollm2_draft):
+    """A real model answering in JSON: valid against the schema, the same under every drafter (up
+    to the project's near-tie rule for q4 batch numerics)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                               "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
+                                               "fields": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "born", "fields"], "additionalProperties": False}
+    with Engine(load_runtime(smollm2_path), load_runtime(smollm2_draft)) as engine:
+        ids = engine.prompt_tokens("Who was Ada Lovelace? Answer in JSON with her name, birth year and fields.")
+        cfg = dict(max_tokens=80, temperature=0, constraint=Constraint.json_schema(schema))
+        plain = engine.generate_tokens(ids, GenerationConfig(mode="ar", **cfg))
+        assert plain.finish_reason == "stop"
+        jsonschema.validate(json.loads(text_of(engine, plain.tokens)), schema)
+        for mode in ("lookup", "draft", "suffix", "auto"):
+            spec = engine.generate_tokens(ids, GenerationConfig(mode=mode, **cfg))
+            assert compare_greedy(engine.target, ids, plain.tokens, spec.tokens).near_tie, mode
+            if spec.finish_reason == "stop":
+                jsonschema.validate(json.loads(text_of(engine, spec.tokens)), schema)
+
+
+# --- penalties and logit bias: exact under speculation too ---------------------------------------
+
+def test_presence_frequency_and_bias_follow_the_rules():
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((3, 2.0),))
+    logits = np.zeros((1, 6), dtype=np.float32)
+    row = Sampler(params, 0).rows(logits, np.array([1, 1, 2], dtype=np.int32), np.zeros(0, dtype=np.int32))[0]
+    assert row.tolist() == pytest.approx([0, -1.0, -0.75, 2.0, 0, 0])
+    with pytest.raises(EdgespecError, match="presence_penalty"):
+        SamplingParams(presence_penalty=3)
+    with pytest.raises(EdgespecError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 500.0),))
+
+
+def test_penalties_and_bias_are_exact_under_speculation(tiny_engine):
+    cfg = dict(max_tokens=40, temperature=0, presence_penalty=1.5, frequency_penalty=0.5, repeat_penalty=1.1,
+               logit_bias=((104, 3.0), (155, -100.0)))
+    plain = tiny_engine.generate_tokens(PROMPT, GenerationConfig(mode="ar", **cfg))
+    assert 155 not in plain.tokens
+    for mode in ("lookup", "draft", "suffix", "auto"):
+        assert tiny_engine.generate_tokens(PROMPT, GenerationConfig(mode=mode, **cfg)).tokens == plain.tokens, mode
+    with pytest.raises(EdgespecError, match="logit_bias"):
+        tiny_engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=4, logit_bias=((10 ** 6, 1.0),)))
+
+
+# --- sampling: the constrained distribution, exactly ---------------------------------------------
+
+N_SAMPLES = 3000
+N_TOKENS = 3
+SAMPLING = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+# A letter, then a printable non-letter, then a letter: each position has its own mask.
+ALTERNATING = Constraint.regex(r"([A-Za-z][ -@\[-`{-~])+")
+
+
+def exact_constrained_joint(runtime, constraint, prompt, n_tokens=N_TOKENS) -> dict:
+    """P(t1..tn | prompt): the target's raw row at each prefix, masked by the grammar walked along
+    that prefix, then the sampling chain; by enumeration."""
+    params = SamplingParams(**SAMPLING)
+    joint = {}
+
+    def walk(prefix: tuple, mass: float, grammar: Grammar) -> None:
+        if len(prefix) == n_tokens:
+            joint[prefix] = mass
+            return
+        runtime.truncate(0)
+        logits = runtime.decode(prompt + list(prefix), 1)[0]
+        mask = grammar.allowed()
+        probs = token_distribution(np.where(mask, logits, -np.inf), params)
+        for token in np.flatnonzero(probs):
+            grammar.consume([int(token)])
+            walk(prefix + (int(token),), mass * float(probs[token]), grammar)
+            grammar.matcher.rollback(1)
+            grammar.position -= 1
+
+    walk((), 1.0, Grammar(runtime.grammar_tokenizer(), constraint, n_vocab=runtime.vocab.n_vocab,
+                          eog=runtime.vocab.eog, position=len(prompt)))
+    runtime.truncate(0)
+    return joint
+
+
+class MaskOnlyTheEmittedToken(Engine):
+    """A wrong engine: drafts are judged by the target's unmasked rows, and only the token it emits
+    (the correction or the bonus) is drawn from the masked row."""
+
+    def verify_accept(self, state, draft, logits, verifier=None):
+        masked = state.sampler.rows(logits, state.committed, draft.tokens)
+        unmasked = Sampler(state.sampler.params, 0).rows(logits, state.committed, draft.tokens)
+        n, _ = accept_sampling(draft.tokens, draft.probs, unmasked, state.sampler.rng)
+        if n < len(draft):
+            residual = masked[n].copy()
+            if draft.probs is None:
+                residual[draft.tokens[n]] = 0.0
+            else:
+                residual = np.maximum(residual - draft.probs[n], 0.0)
+            token = sample(residual if residual.sum() > 0 else masked[n], state.sampler.rng)
+        else:
+            token = sample(masked[n], state.sampler.rng)
+        self.target.truncate(state.n + n)
+        return Verification(draft, n, token, logits)
+
+
+@pytest.fixture(scope="module")
+def constrained_joint(tiny_pair):
+    rt = load_runtime(tiny_pair["target"], n_ctx=256)
+    joint = exact_constrained_joint(rt, ALTERNATING, PROMPT)
+    rt.close()
+    assert abs(sum(joint.values()) - 1) < 1e-9 and len(joint) == 4 ** N_TOKENS
+    return joint
+
+
+def constrained_samples(engine, mode):
+    out, drafted = [], 0
+    for seed in range(N_SAMPLES):
+        result = engine.generate_tokens(PROMPT, GenerationConfig(seed=seed, max_tokens=N_TOKENS, mode=mode,
+                                                                 draft_max=2, constraint=ALTERNATING, **SAMPLING))
+        assert len(result.tokens) == N_TOKENS
+        out.append(tuple(result.tokens))
+        drafted += result.stats.drafted
+    return out, drafted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_kind,mode", [("good_draft", "ar"), ("good_draft", "draft"), ("bad_draft", "draft"),
+                                             ("good_draft", "lookup"), ("good_draft", "suffix"),
+                                             ("good_draft", "auto")])
+def test_constrained_sampling_matches_the_masked_target(tiny_pair, constrained_joint, draft_kind, mode):
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=256), load_runtime(tiny_pair[draft_kind], n_ctx=256)) as e:
+        e._profile = GPU_LIKE
+        samples, drafted = constrained_samples(e, mode)
+    assert (drafted > 0) == (mode != "ar")
+    assert set(samples) <= set(constrained_joint), "sampled an outcome the constrained target gives probability 0"
+    p = chi_square_pvalue(samples, constrained_joint)
+    print(f"\nconstrained {mode} with {draft_kind}: chi-square p = {p:.4f}")
+    assert p > ALPHA
+
+
+@pytest.mark.slow
+def test_the_test_rejects_masking_only_the_emitted_token(tiny_pair, constrained_joint):
+    with MaskOnlyTheEmittedToken(load_runtime(tiny_pair["target"], n_ctx=256),
+                                 load_runtime(tiny_pair["good_draft"], n_ctx=256)) as e:
+        samples, drafted = constrained_samples(e, "draft")
+    assert drafted > 0 and set(samples) <= set(constrained_joint)  # every output valid: only the test can tell
+    p = chi_square_pvalue(samples, constrained_joint)
+    print(f"\nmasking only the emitted token: p = {p:.2e}")
+    assert p < ALPHA
