@@ -274,3 +274,41 @@ def test_the_test_rejects_masking_only_the_emitted_token(tiny_pair, constrained_
     p = chi_square_pvalue(samples, constrained_joint)
     print(f"\nmasking only the emitted token: p = {p:.2e}")
     assert p < ALPHA
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def test_cli_answers_in_the_schema(smollm2_path, tmp_path):
+    from test_cli import edgespec
+
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    proc = edgespec("generate", "Describe a person as JSON.", "--target", smollm2_path, "--temperature", "0",
+                    "-n", "64", "--json-schema", schema_file, "--mode", "lookup", "--threads", 2)
+    assert proc.returncode == 0, proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), SCHEMA)
+    assert "forced" in proc.stderr  # the stats line counts what the schema forced
+    proc = edgespec("generate", "Say yes or no.", "--target", smollm2_path, "--temperature", "0", "-n", "8",
+                    "--regex", "(yes|no)", "--threads", 2)
+    assert proc.returncode == 0 and proc.stdout.strip() in ("yes", "no"), proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--json-schema", '{"type": "foo"}'], "invalid json schema"),
+    (["--json-schema", "missing.json"], "neither a file nor a JSON schema"),
+    (["--regex", "(("], "invalid regex"),
+    (["--regex", "a", "--json-schema", "{}"], "give one"),
+    (["--regex", r"[^\s\S]"], "admits no output"),
+])
+def test_cli_refuses_bad_constraints_in_one_line(smollm2_path, args, needle):
+    from test_cli import assert_user_error, edgespec
+
+    assert_user_error(edgespec("generate", "Hi.", "--target", smollm2_path, "-n", "4", *args), needle)
+
+
+def test_cli_refuses_a_grammar_that_does_not_parse(smollm2_path, tmp_path):
+    from test_cli import assert_user_error, edgespec
+
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text('root ::= "a" (')
+    assert_user_error(edgespec("generate", "Hi.", "--target", smollm2_path, "--grammar", bad), "gbnf")
