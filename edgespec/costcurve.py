@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from edgespec.profile import CONTEXT_TOKENS, _best_time
-from edgespec.runtimes.base import Runtime
+from edgespec.runtimes.base import Runtime, TreeDecoding
 
 TREE_NODES = (4, 8, 16)
 
@@ -35,8 +35,9 @@ def measure_curve(target: Runtime, *, max_batch: int = 17, tree_widths: tuple[in
                   repeats: int = 3, budget_s: float = 60.0) -> dict:
     """Seconds per verify pass for n = 1..max_batch and per tree pass for each width and TREE_NODES size.
 
-    Widths above the runtime's sequences (`options.n_seq_max`) are reported as skipped, as are points
-    left when `budget_s` runs out (then with one repeat, then none). Leaves the target's KV empty.
+    Widths above the runtime's sequences (`sizing.n_seq_max`), or on a runtime without `TreeDecoding`,
+    are reported as skipped, as are points left when `budget_s` runs out (then with one repeat, then
+    none). Leaves the target's KV empty.
     """
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -44,7 +45,7 @@ def measure_curve(target: Runtime, *, max_batch: int = 17, tree_widths: tuple[in
     context = rng.integers(0, n_vocab, size=CONTEXT_TOKENS).astype(np.int32)
     target.truncate(0)
     target.decode(context, 0)
-    rows_max = getattr(getattr(target, "options", None), "n_outputs_max", 0) or max_batch
+    rows_max = target.sizing.n_outputs_max or max_batch
     skipped: list[str] = []
 
     def reps() -> int:
@@ -72,9 +73,9 @@ def measure_curve(target: Runtime, *, max_batch: int = 17, tree_widths: tuple[in
         verify_s[n] = s
 
     tree_s: dict[int, dict[int, float]] = {}
-    branches = getattr(getattr(target, "options", None), "n_seq_max", 1)
+    branches = target.sizing.n_seq_max
     for width in tree_widths:
-        if width > branches or not hasattr(target, "decode_tree"):
+        if width > branches or TreeDecoding not in target.capabilities:
             skipped.append(f"tree width {width}: the runtime holds {branches} sequence(s)")
             continue
         for n in TREE_NODES:

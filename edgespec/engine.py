@@ -34,7 +34,7 @@ from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, Pr
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
-from edgespec.runtimes.base import Runtime, sync_to
+from edgespec.runtimes.base import Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
 from edgespec.structured import Constraint, Grammar
@@ -342,9 +342,9 @@ class Engine:
         mode = resolve_mode(config.mode, "draft" in self.drafters)
         k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
         if mode == "auto":
-            options = getattr(self.target, "options", None)
-            branches = getattr(options, "n_seq_max", 1)
-            rows = getattr(options, "n_outputs_max", 0)  # a memory plan may size the context for fewer rows
+            sizing = self.target.sizing
+            branches = sizing.n_seq_max if TreeDecoding in self.target.capabilities else 1
+            rows = sizing.n_outputs_max  # a memory plan may size the context for fewer rows
             if rows:
                 k = min(k, rows - 1)
             return mode, AdaptivePolicy(self.cost_profile(), self.drafters["lookup"], self.drafters.get("draft"),

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Mapping
 
 from edgespec.errors import EdgespecError
+from edgespec.runtimes.base import Runtime, SavedState
 
 FORMAT = "edgespec-state/1"
 _MAGIC = b"EDGESPEC-STATE\n"
 
 
-def save_state(path: str | os.PathLike, runtimes: Mapping[str, object], meta: dict | None = None) -> Path:
-    """Write each runtime's KV and tokens (runtimes: name -> runtime with save_state/compatibility_key)."""
+def save_state(path: str | os.PathLike, runtimes: Mapping[str, Runtime], meta: dict | None = None) -> Path:
+    """Write each runtime's KV and tokens (runtimes: name -> runtime that implements `SavedState`)."""
+    _check_saves(runtimes)
     path = Path(path)
     blobs = {name: rt.save_state() for name, rt in runtimes.items()}
     header = {"format": FORMAT, "meta": meta or {},
@@ -39,8 +41,9 @@ def save_state(path: str | os.PathLike, runtimes: Mapping[str, object], meta: di
     return path
 
 
-def load_state(path: str | os.PathLike, runtimes: Mapping[str, object]) -> dict:
+def load_state(path: str | os.PathLike, runtimes: Mapping[str, Runtime]) -> dict:
     """Restore KV into the runtimes after checking compatibility; return the caller's metadata."""
+    _check_saves(runtimes)
     path = Path(path)
     if not path.is_file():
         raise EdgespecError(f"no saved state at {path}")
@@ -63,6 +66,12 @@ def load_state(path: str | os.PathLike, runtimes: Mapping[str, object]) -> dict:
             blob = f.read(saved[name]["bytes"])
             runtimes[name].load_state(blob, saved[name]["tokens"])
     return header["meta"]
+
+
+def _check_saves(runtimes: Mapping[str, Runtime]) -> None:
+    for name, rt in runtimes.items():
+        if SavedState not in rt.capabilities:
+            raise EdgespecError(f"the {name} model's runtime ({rt.name}) cannot save or restore its KV state")
 
 
 def _differences(saved: dict, current: dict) -> str:

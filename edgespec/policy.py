@@ -65,6 +65,8 @@ NO_DRAFT = Choice(None, 0)
 
 
 class Policy(Protocol):
+    rows_besides: int  # rows other requests add to the same target pass (parallel slots); a policy may weigh them
+
     @property
     def drafters(self) -> list[Drafter]:
         """Every drafter this policy may pick."""
@@ -86,6 +88,7 @@ class FixedPolicy:
     def __init__(self, drafter: Drafter | None, k: int):
         self.drafter = drafter if k > 0 else None
         self.k = k if drafter is not None else 0
+        self.rows_besides = 0  # a fixed draft length does not weigh them
 
     @property
     def drafters(self) -> list[Drafter]:

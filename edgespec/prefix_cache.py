@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from edgespec.runtimes.base import common_prefix_length
+from edgespec.runtimes.base import Runtime, common_prefix_length
 
 
 @dataclass
@@ -35,7 +35,7 @@ class _Entry:
 class PrefixCache:
     """KV blobs of earlier sequences under a byte limit, least recently used evicted first.
 
-    `runtimes` maps names to runtimes with `tokens`, `save_state()` and `load_state(blob, tokens)`;
+    `runtimes` maps names to runtimes that implement `SavedState` (`save_state`, `load_state`);
     "target" decides which entry matches. Thread-safe; the caller must hold the runtimes.
     """
 
@@ -61,7 +61,7 @@ class PrefixCache:
                 "hits": self.hits, "live_hits": self.live_hits, "misses": self.misses,
                 "evictions": self.evictions, "stores": self.stores, "restored_tokens": self.restored_tokens}
 
-    def restore(self, runtimes: Mapping[str, object], prompt_ids: Sequence[int]) -> dict:
+    def restore(self, runtimes: Mapping[str, Runtime], prompt_ids: Sequence[int]) -> dict:
         """Load the entry sharing the longest prefix with the prompt, when it beats the live KV.
 
         Returns what happened: `source` ("live", "cache" or "none") and `tokens`, the prefix length
@@ -91,7 +91,7 @@ class PrefixCache:
                 rt.load_state(entry.blobs[name], entry.tokens[name])
         return {"source": "cache", "tokens": best}
 
-    def store(self, runtimes: Mapping[str, object]) -> bool:
+    def store(self, runtimes: Mapping[str, Runtime]) -> bool:
         """Save the runtimes' current KV as an entry; False when it is too short or too large to keep."""
         target_tokens = runtimes["target"].tokens
         if len(target_tokens) < self.min_tokens or self.max_bytes == 0:

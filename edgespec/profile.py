@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.runtimes.base import Runtime
+from edgespec.runtimes.base import ModelIdentity, Runtime
 
 PROFILE_VERSION = 3  # 3: sizes measured round-robin, coarse first
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
@@ -81,7 +81,7 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     catalog models profile in well under 3 s here.
     """
     t_start = time.perf_counter()
-    rows = getattr(getattr(target, "options", None), "n_outputs_max", 0)
+    rows = target.sizing.n_outputs_max
     if rows:  # a memory plan sized the context for at most this many logits rows per pass
         max_batch = min(max_batch, rows)
     rng = np.random.default_rng(0)
@@ -155,9 +155,9 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
 def profile_key(target: Runtime, draft: Runtime | None, device: str) -> dict:
     """Everything a measured cost depends on."""
     def runtime_key(rt: Runtime) -> dict:
-        key = rt.compatibility_key() if hasattr(rt, "compatibility_key") else {"name": rt.name}
-        return {**key, "threads": getattr(rt, "n_threads", None), "n_batch": getattr(rt, "n_batch", None),
-                "rows": getattr(getattr(rt, "options", None), "n_outputs_max", 0)}
+        key = rt.compatibility_key() if ModelIdentity in rt.capabilities else {"name": rt.name}
+        sizing = rt.sizing
+        return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max}
     return {"version": PROFILE_VERSION, "device": device, "target": runtime_key(target),
             "draft": runtime_key(draft) if draft is not None else None}
 

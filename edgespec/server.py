@@ -37,6 +37,7 @@ from edgespec.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTi
 from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.prefix_cache import PrefixCache
+from edgespec.runtimes.base import SavedState
 from edgespec.slots import ParallelEngine, SlotScheduler, StepFailedError
 
 
@@ -175,7 +176,9 @@ class _Service:
         engine = parallel.front if parallel is not None else engine  # slot 0's engine tokenizes for all
         self.engine = engine
         self.config = config
-        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+        # A prefix cache keeps KV blobs: a runtime that cannot save its KV (layered ONNX, Core ML) serves without one.
+        saves = all(SavedState in rt.capabilities for rt in (engine.target, engine.draft_runtime) if rt is not None)
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 and saves else None
         self.started = int(time.time())
         # Refuse a bad mode now, and let `auto` measure its costs before the first request.
         self.mode, _ = engine.policy_for(GenerationConfig(mode=config.mode, draft_max=config.draft_max))

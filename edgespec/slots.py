@@ -365,8 +365,7 @@ class SlotScheduler(Submitter):
                 work.append((slot.index, slot.state.committed[slot.fed:end], 0))
                 plans.append((slot, None, end))
                 continue
-            if hasattr(slot.policy, "rows_besides"):  # auto weighs the rows the others add to the pass
-                slot.policy.rows_besides = max(0, others - slot.rows)
+            slot.policy.rows_besides = max(0, others - slot.rows)  # auto weighs the rows the others add to the pass
             choice, draft = slot.engine.propose(slot.state, slot.policy)
             work.append((slot.index, slot.engine.verify_feed(slot.state, draft), len(draft) + 1))
             plans.append((slot, (choice, draft), None))

@@ -2,13 +2,18 @@
 
 A runtime holds one model and the KV cache of one token sequence. It appends tokens to that
 sequence and returns logits only for the rows asked for, rolls the sequence back to a prefix, and
-reports its memory. llama.cpp implements it today; ONNX Runtime, Core ML and a remote verifier
-implement the same protocol later, so the engine never learns which one it talks to.
+reports its memory. llama.cpp, ONNX Runtime and Core ML implement it, so the engine never learns
+which one it talks to.
+
+What a runtime offers besides is declared, not probed: its `capabilities` name the optional
+protocols below that it implements (token trees, several sequences, saved state, the model it runs),
+and its `sizing` says how much one pass holds. Callers ask `TreeDecoding in runtime.capabilities`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -46,6 +51,16 @@ class MemoryReport:
                 **self.other, "total": self.total}
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """How much one pass of a runtime holds: what draft lengths, tree widths and cost curves are cut to."""
+
+    n_batch: int | None = None   # most tokens one pass evaluates (longer inputs are split); None = no such setting
+    n_threads: int | None = None  # CPU threads it computes with; None = no such setting
+    n_outputs_max: int = 0       # most logits rows one pass returns (0 = as many as it evaluates)
+    n_seq_max: int = 1           # sequences one pass may hold: the branches of a token tree (1 = chains only)
+
+
 @runtime_checkable
 class Runtime(Protocol):
     """One model, one KV sequence. Not thread-safe: the engine serialises calls."""
@@ -53,6 +68,10 @@ class Runtime(Protocol):
     name: str
     n_ctx: int
     vocab: VocabInfo
+    capabilities: frozenset[type]  # the optional protocols below that this runtime implements
+
+    @property
+    def sizing(self) -> Sizing: ...
 
     @property
     def n_past(self) -> int:
@@ -81,6 +100,81 @@ class Runtime(Protocol):
     def memory(self) -> MemoryReport: ...
 
     def close(self) -> None: ...
+
+
+# --- the optional protocols: a runtime lists those it implements in `capabilities` ---------------
+
+class TreeDecoding(Protocol):
+    """A token tree verified in one pass, one sequence per branch (up to `sizing.n_seq_max` branches)."""
+
+    def decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Append a tree in one pass (node 0 the root, parent -1; node i follows `parents[i]` < i);
+        float32 logits of every node. Call `keep_tree_path` next."""
+
+    def keep_tree_path(self, path: Sequence[int]) -> int:
+        """Keep a root-first path of the last tree (or as much of it as the runtime keeps) and drop
+        every other branch; return how many of its nodes were kept."""
+
+
+class ModelIdentity(Protocol):
+    """Which model file it runs, and everything its results (saved KV, measured costs) depend on."""
+
+    path: Path
+
+    def compatibility_key(self) -> dict: ...
+
+
+class SavedState(ModelIdentity, Protocol):
+    """The held KV as bytes, restored later for the same tokens (checked by `compatibility_key`)."""
+
+    def save_state(self) -> bytes: ...
+
+    def load_state(self, blob: bytes, tokens: Sequence[int]) -> None: ...
+
+
+class SeveralSequences(Protocol):
+    """`n_seq` independent KV sequences in one context, each call naming its sequence; `decode_batch`
+    evaluates several of them in one pass (the cloud verifier's sessions, `serve --parallel`'s slots)."""
+
+    n_seq: int
+
+    @property
+    def cells_used(self) -> int:
+        """KV cells held by all sequences together."""
+
+    def decode_batch(self, work: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        """Append (seq, tokens, n_logits) for each sequence named; the logits of each."""
+
+    def seq_n_past(self, seq: int) -> int: ...
+
+    def seq_tokens(self, seq: int) -> np.ndarray: ...
+
+    def seq_truncate(self, seq: int, n: int) -> None: ...
+
+    def seq_clear(self, seq: int) -> None: ...
+
+    def seq_save_state(self, seq: int) -> bytes: ...
+
+    def seq_load_state(self, seq: int, blob: bytes, tokens: Sequence[int]) -> None: ...
+
+    def sequence(self, seq: int, n_ctx: int) -> Runtime:
+        """One sequence seen as a one-sequence `Runtime` with room for n_ctx tokens."""
+
+
+OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences)
+
+
+class NotOffered:
+    """A member of a base class that a subclass does not offer: reading it raises TypeError with `why`.
+    (A declaration check sees the member as absent.)"""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        raise TypeError(self.why)
 
 
 class TokenSequence:

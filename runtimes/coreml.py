@@ -32,7 +32,7 @@ import numpy as np
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
 from edgespec.exporters.coreml_export import FUNCTIONS, causal_mask
-from edgespec.runtimes.base import MemoryReport, TokenSequence
+from edgespec.runtimes.base import MemoryReport, Sizing, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
 
 COMPUTE_UNITS = ("cpu_and_gpu", "cpu_only", "cpu_and_ne", "all")
@@ -235,6 +235,8 @@ class _PlannedRuntime(HFVocabMethods, TokenSequence):
     evaluates one planned call and returns its logits (T, n_vocab)."""
 
     name = "coreml"
+    capabilities: frozenset[type] = frozenset()  # the protocol alone: no trees, saved state or model file key
+    sizing = Sizing()  # its calls have the lengths the package was exported with, not settings of ours
 
     def __init__(self, info: PackageInfo, vocab: HFVocab, n_ctx: int | None):
         if n_ctx and n_ctx > info.max_context:
@@ -307,6 +309,7 @@ class CoreMLRuntime(_PlannedRuntime):
     """The exporter's package in Core ML, one KV state shared by its three functions (macOS 15+)."""
 
     name = "coreml"
+    _compiled: Path | None = None  # the compiled model's temporary folder, once made
 
     def __init__(self, package: str | os.PathLike, tokenizer_dir: str | os.PathLike,
                  options: CoreMLOptions = CoreMLOptions()):
@@ -339,7 +342,7 @@ class CoreMLRuntime(_PlannedRuntime):
 
     def close(self) -> None:
         self._models, self._state = {}, None
-        if getattr(self, "_compiled", None) is not None:
+        if self._compiled is not None:
             shutil.rmtree(self._compiled, ignore_errors=True)
             self._compiled = None
 

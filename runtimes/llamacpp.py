@@ -23,7 +23,8 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, TokenSequence, VocabInfo
+from edgespec.runtimes.base import (MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+                                     TokenSequence, TreeDecoding, VocabInfo)
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).
 KV_TYPES: dict[str, tuple[int, float]] = {
@@ -262,10 +263,15 @@ class VocabOnly:
             self._model = None
 
 
+def _sizing(n_batch: int, n_threads: int, options: LlamaCppOptions) -> Sizing:
+    return Sizing(n_batch=n_batch, n_threads=n_threads, n_outputs_max=options.n_outputs_max, n_seq_max=options.n_seq_max)
+
+
 class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions()):
         self.path = Path(path)
@@ -339,6 +345,10 @@ class LlamaCppRuntime(TokenSequence):
         self._max_logit_rows = 0
         self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
         self.n_decoded_tokens = 0  # tokens evaluated, all calls together (prefix reuse shows here)
+
+    @property
+    def sizing(self) -> Sizing:
+        return _sizing(self.n_batch, self.n_threads, self.options)
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -582,10 +592,9 @@ class LlamaCppRuntime(TokenSequence):
         """Weights (the model's bytes) and KV from the geometry; under `other`, what llama.cpp reported
         allocating besides: repacked weight copies, compute and output buffers. For the peak a process
         reaches, mmap'd pages included, see `edgespec.memory.predict`."""
-        buffers = getattr(self, "buffers", {})
         other = {"batch": self.n_batch * 4 * 4}
         for name, suffix in (("repacked_weights", "_REPACK model"), ("compute", " compute"), ("output", " output")):
-            total = sum(v for k, v in buffers.items() if k.endswith(suffix))
+            total = sum(v for k, v in self.buffers.items() if k.endswith(suffix))
             if total:
                 other[name] = total
         return MemoryReport(
@@ -659,6 +668,8 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     inherited. Not thread-safe: one thread owns it.
     """
 
+    capabilities = frozenset({SeveralSequences, ModelIdentity})
+
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
@@ -672,13 +683,10 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
         self.n_seq = n_seq
         self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
-    # The one-sequence API does not apply: each call must say which sequence it means.
-    def _no_single_sequence(self, *args, **kwargs):
-        raise TypeError("LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")
-
-    decode = truncate = save_state = load_state = _no_single_sequence  # type: ignore[assignment]
-    n_past = property(_no_single_sequence)  # type: ignore[assignment]
-    tokens = property(_no_single_sequence)  # type: ignore[assignment]
+    # The one-sequence API does not apply (trees and saved state included): each call must say which
+    # sequence it means.
+    decode = truncate = save_state = load_state = decode_tree = keep_tree_path = n_past = tokens = NotOffered(
+        "LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")  # type: ignore[assignment]
 
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.n_seq:
@@ -811,6 +819,8 @@ class LlamaCppSequence:
     Holds no memory of its own: the KV cells come from the owner's unified pool.
     """
 
+    capabilities = frozenset({ModelIdentity, SavedState})  # no trees: the other sequences are other slots
+
     def __init__(self, owner: LlamaCppMultiSeqRuntime, seq: int, n_ctx: int):
         self.owner = owner
         self.seq = seq
@@ -825,6 +835,10 @@ class LlamaCppSequence:
         rows = owner.options.n_outputs_max
         self.options = replace(owner.options, n_seq_max=1, n_ctx=n_ctx,
                                n_outputs_max=max(1, rows // owner.n_seq) if rows else 0)
+
+    @property
+    def sizing(self) -> Sizing:
+        return _sizing(self.n_batch, self.n_threads, self.options)
 
     @property
     def n_past(self) -> int:

@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, TokenSequence
+from edgespec.runtimes.base import MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods, read_json
 
 # Best first: what provider="auto" picks among the ones this onnxruntime build has.
@@ -142,6 +142,7 @@ class OnnxRuntime(HFVocabMethods, TokenSequence):
     """An exported with-past ONNX decoder and one KV sequence. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime"
+    capabilities = frozenset({ModelIdentity, SavedState})  # one sequence: no trees
 
     def __init__(self, path: str | os.PathLike, options: OnnxOptions = OnnxOptions()):
         ort = _need_ort()
@@ -180,6 +181,10 @@ class OnnxRuntime(HFVocabMethods, TokenSequence):
         self.n_decoded_tokens = 0
 
     # -- loading ----------------------------------------------------------------------------------
+
+    @property
+    def sizing(self) -> Sizing:
+        return Sizing(n_batch=self.n_batch, n_threads=self.n_threads)
 
     def _load_session(self, ort) -> None:
         opts = ort.SessionOptions()

@@ -195,6 +195,15 @@ def test_part_of_the_layers_stay_in_ram(layered):
         assert rt.memory().kv_cache == 3 * 2 * 2 * 16 * 4 * 48  # 3 layers, 40 positions = 3 blocks of 16
 
 
+def test_declared_capabilities_match_the_runtime(layered):
+    from edgespec.runtimes.base import ModelIdentity, Sizing
+    from test_runtime_capabilities import declaration_mismatches
+
+    with _runtime(layered["llama"], n_batch=16) as rt:
+        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity}
+        assert rt.sizing == Sizing(n_batch=16, n_threads=THREADS)
+
+
 def test_tokenizer_and_vocabulary(layered, hf_tiny):
     from hf_models import corpus_texts
 

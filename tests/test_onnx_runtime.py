@@ -169,6 +169,15 @@ def test_saved_state_restores_the_same_logits(exported):
         assert a.compatibility_key() == b.compatibility_key()
 
 
+def test_declared_capabilities_match_the_runtime(exported):
+    from edgespec.runtimes.base import ModelIdentity, SavedState, Sizing
+    from test_runtime_capabilities import declaration_mismatches
+
+    with onnx_runtime(exported["llama"]["onnx"], prefill_chunk=16) as rt:
+        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState}
+        assert rt.sizing == Sizing(n_batch=16, n_threads=1)  # one sequence, no cap on logits rows
+
+
 def test_memory_report(exported):
     with onnx_runtime(exported["llama"]["onnx"], n_ctx=256) as rt:
         mem = rt.memory()
