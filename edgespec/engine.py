@@ -34,10 +34,10 @@ from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, Pr
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
-from edgespec.runtimes.base import Runtime, TreeDecoding, sync_to
+from edgespec.runtimes.base import GrammarVocabulary, Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.stats import GenerationStats
-from edgespec.structured import Constraint, Grammar
+from edgespec.structured import Constraint, ConstraintError, Grammar
 from edgespec.suffix import SuffixDrafter, SuffixHistory, vocabulary_key
 from edgespec.verify import Verifier, accept_greedy, accept_sampling, accept_tree_greedy, accept_tree_sampling
 from edgespec.vocab import check_vocab_compatible
@@ -380,6 +380,8 @@ class Engine:
             raise EdgespecError(f"logit_bias names a token past the vocabulary ({n_vocab} tokens)")
         grammar = None
         if config.constraint is not None:
+            if GrammarVocabulary not in self.target.capabilities:
+                raise ConstraintError(f"the {self.target.name} runtime cannot constrain output; use llama.cpp or ONNX")
             grammar = Grammar(self.target.grammar_tokenizer(), config.constraint, n_vocab=n_vocab,
                               eog=self.target.vocab.eog, position=n_prompt)
         return SpeculativeState(context, n_prompt, n_prompt, config.max_tokens,

@@ -23,8 +23,8 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import (MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
-                                     TokenSequence, TreeDecoding, VocabInfo)
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState,
+                                     SeveralSequences, Sizing, TokenSequence, TreeDecoding, VocabInfo)
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).
 KV_TYPES: dict[str, tuple[int, float]] = {
@@ -271,7 +271,7 @@ class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
-    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState})
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions()):
         self.path = Path(path)
@@ -668,7 +668,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     inherited. Not thread-safe: one thread owns it.
     """
 
-    capabilities = frozenset({SeveralSequences, ModelIdentity})
+    capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
         if not 1 <= n_seq <= 256:
@@ -819,7 +819,7 @@ class LlamaCppSequence:
     Holds no memory of its own: the KV cells come from the owner's unified pool.
     """
 
-    capabilities = frozenset({ModelIdentity, SavedState})  # no trees: the other sequences are other slots
+    capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # no trees: the other sequences are other slots
 
     def __init__(self, owner: LlamaCppMultiSeqRuntime, seq: int, n_ctx: int):
         self.owner = owner

@@ -37,7 +37,7 @@ import numpy as np
 from edgespec.errors import EdgespecError, ModelFileError
 from edgespec.exporters.onnx_layers import FORMAT, MANIFEST, SCHEMA  # torch is imported only to export
 from edgespec.kvstore import DEFAULT_BLOCK_TOKENS, KVGeometry, KVStore
-from edgespec.runtimes.base import MemoryReport, ModelIdentity, Sizing, TokenSequence
+from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, Sizing, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
 from edgespec.runtimes.onnxrt import _need_ort, _ort_reason, _physical_cores
 
@@ -124,7 +124,7 @@ class LayeredOnnxRuntime(HFVocabMethods, TokenSequence):
     """Layer graphs and one KV sequence in a managed store. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime-layered"
-    capabilities = frozenset({ModelIdentity})  # one sequence, no trees; no saved state
+    capabilities = frozenset({ModelIdentity, GrammarVocabulary})  # one sequence, no trees; no saved state
 
     def __init__(self, path: str | os.PathLike, options: LayeredOptions | None = None, **overrides):
         ort = _need_ort()

@@ -26,6 +26,7 @@ from edgespec.structured import Constraint, ConstraintError, Grammar
 from edgespec.verify import accept_sampling
 from lossless import compare_greedy
 from test_lossless_sampling import ALPHA, PROMPT, chi_square_pvalue
+from test_onnx_runtime import exported  # noqa: F401  (a session fixture: the tiny checkpoints on ONNX and GGUF)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -312,3 +313,24 @@ def test_cli_refuses_a_grammar_that_does_not_parse(smollm2_path, tmp_path):
     bad = tmp_path / "bad.gbnf"
     bad.write_text('root ::= "a" (')
     assert_user_error(edgespec("generate", "Hi.", "--target", smollm2_path, "--grammar", bad), "gbnf")
+
+
+# --- ONNX Runtime: the grammar's tokenizer from the exported tokenizer.json ---------------------
+
+def test_constrained_output_on_onnx_equals_llama_cpp(request):
+    """The same weights on ONNX Runtime (llguidance's tokenizer from tokenizer.json) and on
+    llama.cpp (from the GGUF's vocabulary): the same constrained greedy output, plain and drafted."""
+    pytest.importorskip("onnxruntime")
+    from test_onnx_runtime import exact_llama, onnx_runtime
+
+    exported = request.getfixturevalue("exported")
+    constraint = Constraint.regex(r"[a-z]+( [a-z]+)*\.")
+    cfg = dict(max_tokens=24, temperature=0, constraint=constraint)
+    with Engine(onnx_runtime(exported["llama"]["onnx"]), onnx_runtime(exported["llama_draft"]["onnx"])) as onnx, \
+            Engine(exact_llama(exported["llama"]["gguf"])) as llama:
+        ids = onnx.target.tokenize("the cat sat on the mat", add_special=True, parse_special=False)
+        plain = onnx.generate_tokens(ids, GenerationConfig(mode="ar", **cfg))
+        assert plain.tokens == llama.generate_tokens(ids, GenerationConfig(mode="ar", **cfg)).tokens
+        assert plain.tokens == onnx.generate_tokens(ids, GenerationConfig(mode="draft", **cfg)).tokens
+        import re
+        assert re.fullmatch(r"[a-z]+( [a-z]+)*\.?", text_of(onnx, plain.tokens).strip() or "a")
