@@ -315,7 +315,8 @@ class Engine:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    def prompt_tokens(self, prompt: str | Sequence[Message], *, raw: bool = False) -> list[int]:
+    def prompt_tokens(self, prompt: str | Sequence[Message], *, raw: bool = False,
+                      tools: list | None = None) -> list[int]:
         """Token ids for a prompt: a string (chat-templated unless raw) or a list of chat messages."""
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -323,15 +324,15 @@ class Engine:
             if raw:
                 return self.target.tokenize(prompt, add_special=True, parse_special=False)
             prompt = [{"role": "user", "content": prompt}]
-        text = self.prompt_text(prompt)
+        text = self.prompt_text(prompt, tools=tools)
         bos_text = self._piece(self.target.vocab.bos)
         add_bos = not (bos_text and text.startswith(bos_text))  # templates often write BOS themselves
         return self.target.tokenize(text, add_special=add_bos, parse_special=True)
 
-    def prompt_text(self, messages: Sequence[Message]) -> str:
+    def prompt_text(self, messages: Sequence[Message], *, tools: list | None = None) -> str:
         """Chat messages rendered with the target's chat template (what `prompt_tokens` tokenizes)."""
         return render_chat(self.target.chat_template(), messages, bos_token=self._piece(self.target.vocab.bos),
-                           eos_token=self._piece(self.target.vocab.eos))
+                           eos_token=self._piece(self.target.vocab.eos), tools=tools)
 
     def _piece(self, token: int | None) -> str:
         return "" if token is None else self.target.token_text(token)
