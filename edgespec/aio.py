@@ -17,10 +17,10 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
-from edgespec.engine import Engine, GenerationConfig, GenerationResult, TextAssembler, TokenLogprob
+from edgespec.detokenize import Detokenizer, GenerationResult, Piece
+from edgespec.engine import Engine, GenerationConfig
 from edgespec.errors import EdgespecError
 
 
@@ -30,15 +30,6 @@ class QueueFullError(EdgespecError):
 
 class RequestTimeoutError(EdgespecError):
     """A request ran past its time limit (waiting in the queue included)."""
-
-
-@dataclass
-class Piece:
-    """Text that is safe to show, and the tokens emitted since the previous piece."""
-
-    text: str
-    tokens: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class TokenStream:
@@ -71,35 +62,10 @@ class TokenStream:
     def run(self) -> Iterator[Piece]:
         """The generation itself; the caller holds `engine.exclusive()`."""
         engine, config = self.engine, self.config
-        text = TextAssembler(config.stop)
         state, policy = engine.begin(self.prompt_ids, config)
-        loop = engine.rounds(state, policy)
-        interrupted = self._interrupted()
-        pending: list[int] = []
-        n_logprobs = 0
-        try:
-            while interrupted is None:
-                new = next(loop, None)
-                if new is None:
-                    break
-                tokens = new.tolist()
-                pending += tokens
-                piece = text.feed(b"".join(engine.target.token_bytes(t) for t in tokens))
-                if piece:
-                    yield Piece(piece, pending, state.logprobs[n_logprobs:])
-                    pending, n_logprobs = [], len(state.logprobs)
-                if text.stopped:
-                    break
-                interrupted = self._interrupted()
-        finally:
-            loop.close()
-        tail = "" if text.stopped else text.feed(b"", final=True)
-        if tail or pending:
-            yield Piece(tail, pending, state.logprobs[n_logprobs:])
-        finish = "stop" if text.stopped else interrupted or state.finish_reason or "stop"
-        self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
-                                       logprobs=state.logprobs if config.logprobs is not None else None)
+        output = Detokenizer(engine.target, config.stop, state)
+        yield from output.pieces(engine.rounds(state, policy), self._interrupted)
+        self.result = output.result()
 
 
 _END = object()

@@ -18,7 +18,6 @@ as it stands after the tokens before that row, and the grammar holds only commit
 
 from __future__ import annotations
 
-import codecs
 import random
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from edgespec.chat import Message, render_chat
+from edgespec.detokenize import Detokenizer, GenerationResult, TokenLogprob
 from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftModelDrafter, PromptLookupDrafter, lead_with
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.guard import MemoryGuard, cap_choice
@@ -45,15 +45,6 @@ from edgespec.vocab import check_vocab_compatible
 
 MAX_TOP_LOGPROBS = 20
 FORCED_MAX = 16  # grammar-forced tokens one round feeds at most (a long constant string takes rounds)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability (log-softmax of its raw logits) of an emitted token, and the top alternatives."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
@@ -111,24 +102,6 @@ class GenerationConfig:
                               min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias))
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    finish_reason: str   # "stop" (end-of-generation token or stop string) | "length"
-    stats: GenerationStats
-    logprobs: list[TokenLogprob] | None = None  # one per emitted token when config.logprobs is set
-
-    def to_dict(self) -> dict:
-        out = {"text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-               "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
-        if self.logprobs is not None:
-            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                               for lp in self.logprobs]
-        return out
 
 
 @dataclass
@@ -574,34 +547,6 @@ class Engine:
         return stream.result
 
 
-class TextAssembler:
-    """Token bytes in, text pieces out: UTF-8 safe (a character split over tokens waits for its last
-    byte) and holding back text that could still become a stop string."""
-
-    def __init__(self, stops: tuple[str, ...] = ()):
-        self.stops = stops
-        self._overlap = max((len(s) for s in stops), default=1) - 1  # a stop may begin this far back
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-        self._sent = 0
-        self.stopped = False
-
-    def feed(self, data: bytes, final: bool = False) -> str:
-        """Add bytes; return the text that is now safe to show ('' if none)."""
-        self.text += self._decoder.decode(data, final=final)
-        hits = [i for i in (self.text.find(s, max(0, self._sent - self._overlap)) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped, final = self.text[: min(hits)], True, True
-        ready = len(self.text) if final else len(self.text) - self._undecided()
-        piece = self.text[self._sent:ready] if ready > self._sent else ""
-        self._sent = max(self._sent, ready)
-        return piece
-
-    def _undecided(self) -> int:
-        """Length of the longest tail of the text that could still grow into a stop string."""
-        return max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
-
-
 class GenerationStream:
     """Iterates the text pieces of one generation; `.result` holds the whole result afterwards."""
 
@@ -618,24 +563,7 @@ class GenerationStream:
             yield from self._pieces()
 
     def _pieces(self) -> Iterator[str]:
-        engine = self.engine
-        text = TextAssembler(self.config.stop)
-        state, policy = engine.begin(self.prompt_ids, self.config)
-        loop = engine.rounds(state, policy, self.verifier)
-        try:
-            for new in loop:
-                piece = text.feed(b"".join(engine.target.token_bytes(t) for t in new.tolist()))
-                if piece:
-                    yield piece
-                if text.stopped:
-                    break
-        finally:
-            loop.close()
-        if not text.stopped:
-            piece = text.feed(b"", final=True)
-            if piece:
-                yield piece
-        finish = "stop" if text.stopped else state.finish_reason or "stop"
-        self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
-                                       logprobs=state.logprobs if self.config.logprobs is not None else None)
+        state, policy = self.engine.begin(self.prompt_ids, self.config)
+        output = Detokenizer(self.engine.target, self.config.stop, state)
+        yield from output.texts(self.engine.rounds(state, policy, self.verifier))
+        self.result = output.result()

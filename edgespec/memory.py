@@ -669,34 +669,6 @@ def peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
 
 
-def gpu_used_bytes(pid: int | None = None) -> int | None:
-    """GPU memory this process holds, through NVML (nvidia-ml-py); None without an NVIDIA GPU."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    pid = os.getpid() if pid is None else pid
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver, no GPU: nothing to watch
-        return None
-    try:
-        total = 0
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == pid and proc.usedGpuMemory:
-                    total += int(proc.usedGpuMemory)
-        return total
-    except Exception:
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-
-
 def format_bytes(n: int | float) -> str:
     """Binary units, as budgets are given: 1536 MiB -> "1.50 GiB"."""
     n = float(n)

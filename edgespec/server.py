@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -166,7 +166,7 @@ def _validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, f"invalid request: {where}{first['msg']}{more}", param=param, code="invalid_value")
 
 
-# --- the app ----------------------------------------------------------------------------------
+# --- what the routes share -----------------------------------------------------------------
 
 class _Service:
     """What the endpoints share: the engine behind its queue, the limits, the model's name."""
@@ -370,172 +370,212 @@ def _result_or_raise(task: asyncio.Future) -> GenerationResult:
         raise ApiError(400, str(exc)) from None
 
 
+# --- the routes -------------------------------------------------------------------------------
+# Module-level functions: each reaches the engine, its queue and the limits through the app's
+# `_Service` (`request.app.state.service`); `create_app` only wires them.
+
+def _service(request: Request) -> _Service:
+    return request.app.state.service
+
+
+async def authorized(request: Request) -> _Service:
+    """The service, once the request carries one of the API keys (when keys are required)."""
+    service = _service(request)
+    keys = service.config.api_keys
+    if keys:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        sent = key.strip().encode()
+        if scheme.lower() != "bearer" or not any(secrets.compare_digest(sent, k.encode()) for k in keys):
+            raise ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
+                           "authentication_error", code="invalid_api_key")
+    return service
+
+
+async def health(request: Request):
+    service = _service(request)
+    q = service.queue
+    return {"status": "ok", "model": service.config.model_id, "mode": service.mode,
+            "queue": {"running": q.running is not None, "waiting": q.waiting, "max_waiting": q.max_queue},
+            "requests": dict(q.counters),
+            "slots": q.stats() if isinstance(q, SlotScheduler) else None,
+            "prefix_cache": service.prefix_cache.stats() if service.prefix_cache is not None else None}
+
+
+def _model_card(service: _Service) -> dict:
+    t, d, config = service.engine.target, service.engine.draft_runtime, service.config
+    return {"id": config.model_id, "object": "model", "created": service.started, "owned_by": "edgespec",
+            "edgespec": {"file": t.path.name, "draft": d.path.name if d else None, "mode": service.mode,
+                         "n_ctx": t.n_ctx, "max_tokens_limit": config.max_tokens_limit}}
+
+
+async def list_models(service: _Service = Depends(authorized)):
+    return {"object": "list", "data": [_model_card(service)]}
+
+
+async def get_model(name: str, service: _Service = Depends(authorized)):
+    if name != service.config.model_id:
+        raise ApiError(404, f"the model {name!r} does not exist here", code="model_not_found")
+    return _model_card(service)
+
+
+async def completions(request: Request, service: _Service = Depends(authorized)):
+    req: CompletionRequest = await service.parse(request, CompletionRequest)
+    prompt_ids = service.completion_prompt(req)
+    return await _generate(request, service, req, prompt_ids, req.max_tokens, _CompletionStyle(service, req.logprobs))
+
+
+async def chat_completions(request: Request, service: _Service = Depends(authorized)):
+    req: ChatRequest = await service.parse(request, ChatRequest)
+    prompt_ids = service.chat_prompt(req)
+    n_top = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return await _generate(request, service, req, prompt_ids, max_tokens, _ChatStyle(service, n_top))
+
+
+# --- one generation, answered whole or as server-sent events ------------------------------------
+
+class _CompletionStyle:
+    """How /v1/completions words a choice. Both styles give the fields between a choice's index and its
+    finish_reason: `opening` (streamed before any text, or None), `delta` (a streamed piece), `end`
+    (the streamed choice that carries the finish reason) and `whole` (the answer not streamed)."""
+
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, service: _Service, logprobs: int | None):
+        self.service = service
+        self.logprobs = logprobs  # what the generation is asked for: None = no log-probabilities
+        self._offset = 0          # characters streamed so far (the logprobs' text_offset)
+
+    def opening(self) -> dict | None:
+        return None
+
+    def delta(self, piece) -> dict:
+        lp = None
+        if self.logprobs is not None:
+            lp = self.service.completion_logprobs(piece.logprobs, self._offset)
+            self._offset += len(piece.text)
+        return {"text": piece.text, "logprobs": lp}
+
+    def end(self) -> dict:
+        return {"text": "", "logprobs": None}
+
+    def whole(self, result: GenerationResult) -> dict:
+        lp = None
+        if self.logprobs is not None:
+            lp = self.service.completion_logprobs(self.service.visible_logprobs(result))
+        return {"text": result.text, "logprobs": lp}
+
+
+class _ChatStyle(_CompletionStyle):
+    """How /v1/chat/completions words a choice."""
+
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def opening(self) -> dict | None:
+        return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+
+    def delta(self, piece) -> dict:
+        lp = self.service.chat_logprobs(piece.logprobs) if self.logprobs is not None else None
+        return {"delta": {"content": piece.text}, "logprobs": lp}
+
+    def end(self) -> dict:
+        return {"delta": {}, "logprobs": None}
+
+    def whole(self, result: GenerationResult) -> dict:
+        lp = self.service.chat_logprobs(self.service.visible_logprobs(result)) if self.logprobs is not None else None
+        return {"message": {"role": "assistant", "content": result.text}, "logprobs": lp}
+
+
+def _choice(fields: dict, finish_reason: str | None = None) -> dict:
+    return {"index": 0, **fields, "finish_reason": finish_reason}
+
+
+async def _generate(request: Request, service: _Service, req: _Request, prompt_ids: list[int],
+                    max_tokens: int | None, style: _CompletionStyle):
+    """Queue the generation; answer it as events (`req.stream`) or whole once it ends."""
+    gen_config = service.generation_config(req, len(prompt_ids), max_tokens, style.logprobs)
+    gen = service.submit(prompt_ids, gen_config)
+    head = {"id": f"{style.id_prefix}-{uuid.uuid4().hex}", "object": style.object, "created": int(time.time()),
+            "model": service.config.model_id, "system_fingerprint": service.fingerprint}
+    if req.stream:
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_events(service, gen, {**head, "object": style.chunk_object}, style, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    result = await _run_to_end(request, gen)
+    if result is None:
+        return Response(status_code=499)
+    return {**head, "choices": [_choice(style.whole(result), _finish(result))],
+            "usage": service.usage(result), "edgespec": service.extension(gen, result)}
+
+
+async def _events(service: _Service, gen: AsyncGeneration, head: dict, style: _CompletionStyle,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of one streamed generation, errors included (the status line is sent already)."""
+    try:
+        opening = style.opening()
+        if opening is not None:
+            yield _event({**head, "choices": [_choice(opening)]})
+        try:
+            async for piece in gen:
+                if piece.text or piece.logprobs:
+                    yield _event({**head, "choices": [_choice(style.delta(piece))]})
+            result = gen.result
+            yield _event({**head, "choices": [_choice(style.end(), _finish(result))],
+                          "usage": service.usage(result), "edgespec": service.extension(gen, result)})
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": service.usage(result)})
+        except RequestTimeoutError as exc:
+            yield _event(ApiError(504, f"{exc}; ask for fewer tokens", "timeout_error", code="timeout").body())
+        except StepFailedError as exc:
+            yield _event(ApiError(503, str(exc), "server_error", code="unavailable").body())
+        except EdgespecError as exc:
+            yield _event(ApiError(400, str(exc)).body())
+        except Exception as exc:  # noqa: BLE001 - the status line is sent already: say it in the stream
+            yield _event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body())
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away, or the stream ended: either way nothing more to generate
+        if not gen.done:
+            gen.cancel()
+
+
+# --- the app: errors as OpenAI's JSON, the routes wired -----------------------------------------
+
+async def _api_error(request, exc: ApiError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request, exc):
+    return JSONResponse(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
+                                 else None).body(), status_code=exc.status_code)
+
+
+async def _internal(request, exc):
+    return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
+                        status_code=500)
+
+
+@asynccontextmanager
+async def _lifespan(app):
+    yield
+    app.state.service.queue.close()
+
+
+ROUTES = (("GET", "/health", health), ("GET", "/v1/models", list_models), ("GET", "/v1/models/{name:path}", get_model),
+          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions))
+
+
 def create_app(engine: "Engine | ParallelEngine", config: ServerConfig):
     """The FastAPI app serving `engine` (a `ParallelEngine`: its slots batched). The engine is used only
     from the app's worker thread."""
-    service = _Service(engine, config)
-    engine = service.engine
-
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        service.queue.close()
-
-    app = FastAPI(title="edgespec", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="edgespec", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.service = service
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc):
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
-                                     else None).body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request, exc):
-        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
-                            status_code=500)
-
-    def authorize(request: Request) -> None:
-        if not config.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        sent = key.strip().encode()
-        if scheme.lower() != "bearer" or not any(secrets.compare_digest(sent, k.encode()) for k in config.api_keys):
-            raise ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
-                           "authentication_error", code="invalid_api_key")
-
-    @app.get("/health")
-    async def health():
-        q = service.queue
-        return {"status": "ok", "model": config.model_id, "mode": service.mode,
-                "queue": {"running": q.running is not None, "waiting": q.waiting, "max_waiting": q.max_queue},
-                "requests": dict(q.counters),
-                "slots": q.stats() if isinstance(q, SlotScheduler) else None,
-                "prefix_cache": service.prefix_cache.stats() if service.prefix_cache is not None else None}
-
-    def model_card() -> dict:
-        t, d = engine.target, engine.draft_runtime
-        return {"id": config.model_id, "object": "model", "created": service.started, "owned_by": "edgespec",
-                "edgespec": {"file": t.path.name, "draft": d.path.name if d else None, "mode": service.mode,
-                             "n_ctx": t.n_ctx, "max_tokens_limit": config.max_tokens_limit}}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str, request: Request):
-        authorize(request)
-        if name != config.model_id:
-            raise ApiError(404, f"the model {name!r} does not exist here", code="model_not_found")
-        return model_card()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        authorize(request)
-        req: CompletionRequest = await service.parse(request, CompletionRequest)
-        prompt_ids = service.completion_prompt(req)
-        gen_config = service.generation_config(req, len(prompt_ids), req.max_tokens, req.logprobs)
-        gen = service.submit(prompt_ids, gen_config)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": config.model_id,
-                "system_fingerprint": service.fingerprint}
-        if req.stream:
-            offset = [0]
-
-            def chunk(piece):
-                lp = None
-                if req.logprobs is not None:
-                    lp = service.completion_logprobs(piece.logprobs, offset[0])
-                    offset[0] += len(piece.text)
-                return {**head, "choices": [{"index": 0, "text": piece.text, "logprobs": lp, "finish_reason": None}]}
-
-            def final(result):
-                return {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                             "finish_reason": _finish(result)}],
-                        "usage": service.usage(result), "edgespec": service.extension(gen, result)}
-
-            return _sse(gen, None, chunk, final, head, req)
-        result = await _run_to_end(request, gen)
-        if result is None:
-            return Response(status_code=499)
-        lp = service.completion_logprobs(service.visible_logprobs(result)) if req.logprobs is not None else None
-        return {**head, "choices": [{"index": 0, "text": result.text, "logprobs": lp, "finish_reason": _finish(result)}],
-                "usage": service.usage(result), "edgespec": service.extension(gen, result)}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        authorize(request)
-        req: ChatRequest = await service.parse(request, ChatRequest)
-        prompt_ids = service.chat_prompt(req)
-        n_top = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        gen_config = service.generation_config(req, len(prompt_ids), max_tokens, n_top)
-        gen = service.submit(prompt_ids, gen_config)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": config.model_id,
-                "system_fingerprint": service.fingerprint}
-        if req.stream:
-            head = {**head, "object": "chat.completion.chunk"}
-            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-
-            def chunk(piece):
-                lp = service.chat_logprobs(piece.logprobs) if n_top is not None else None
-                return {**head, "choices": [{"index": 0, "delta": {"content": piece.text}, "logprobs": lp,
-                                             "finish_reason": None}]}
-
-            def final(result):
-                return {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                             "finish_reason": _finish(result)}],
-                        "usage": service.usage(result), "edgespec": service.extension(gen, result)}
-
-            return _sse(gen, first, chunk, final, head, req)
-        result = await _run_to_end(request, gen)
-        if result is None:
-            return Response(status_code=499)
-        lp = service.chat_logprobs(service.visible_logprobs(result)) if n_top is not None else None
-        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                                     "logprobs": lp, "finish_reason": _finish(result)}],
-                "usage": service.usage(result), "edgespec": service.extension(gen, result)}
-
-    def _sse(gen, first, chunk, final, head, req):
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                if first is not None:
-                    yield _event(first)
-                try:
-                    async for piece in gen:
-                        if piece.text or piece.logprobs:
-                            yield _event(chunk(piece))
-                    result = gen.result
-                    yield _event(final(result))
-                    if include_usage:
-                        yield _event({**head, "choices": [], "usage": service.usage(result)})
-                except RequestTimeoutError as exc:
-                    yield _event(ApiError(504, f"{exc}; ask for fewer tokens", "timeout_error", code="timeout").body())
-                except StepFailedError as exc:
-                    yield _event(ApiError(503, str(exc), "server_error", code="unavailable").body())
-                except EdgespecError as exc:
-                    yield _event(ApiError(400, str(exc)).body())
-                except Exception as exc:  # noqa: BLE001 - the status line is sent already: say it in the stream
-                    yield _event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body())
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away, or the stream ended: either way nothing more to generate
-                if not gen.done:
-                    gen.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
+    app.state.service = _Service(engine, config)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal)
+    for method, path, route in ROUTES:
+        app.add_api_route(path, route, methods=[method])
     return app
 
 

@@ -36,8 +36,9 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.aio import AsyncGeneration, Piece, QueueFullError, RequestTimeoutError, Submitter
-from edgespec.engine import Engine, GenerationConfig, GenerationResult, SpeculativeState, TextAssembler
+from edgespec.aio import AsyncGeneration, QueueFullError, RequestTimeoutError, Submitter
+from edgespec.detokenize import Detokenizer
+from edgespec.engine import Engine, GenerationConfig, SpeculativeState
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.base import common_prefix_length, sync_to
 
@@ -141,13 +142,11 @@ class _Slot:
     gen: AsyncGeneration | None = None
     state: SpeculativeState | None = None
     policy: object = None
-    text: TextAssembler | None = None
+    output: Detokenizer | None = None
     fed: int = 0                  # prompt tokens whose KV is held (prefill progress)
     prefilling: bool = False
     t_decode: float = 0.0
     rows: int = 0                 # rows this slot put into the last pass
-    pending: list | None = None   # tokens emitted since the last piece
-    n_logprobs: int = 0
 
     def runtimes(self) -> dict:
         out = {"target": self.engine.target}
@@ -328,7 +327,7 @@ class SlotScheduler(Submitter):
         kept = sync_to(engine.target, state.committed[:-1])
         state.stats.cached_tokens, state.stats.prefilled_tokens = kept, state.n_prompt - 1 - kept
         slot.gen, slot.state, slot.policy = gen, state, policy
-        slot.text, slot.pending, slot.n_logprobs = TextAssembler(gen.config.stop), [], 0
+        slot.output = Detokenizer(engine.target, gen.config.stop, state)
         slot.fed, slot.prefilling, slot.rows = kept, True, 0
         self.counters["max_active"] = max(self.counters["max_active"], self.active)
         if kept == state.n_prompt - 1:
@@ -403,27 +402,21 @@ class SlotScheduler(Submitter):
                 self._fail(slot, exc)
 
     def _emit(self, slot: _Slot, new: np.ndarray) -> None:
-        state, target = slot.state, slot.engine.target
         if len(new):
-            tokens = new.tolist()
-            slot.pending += tokens
-            piece = slot.text.feed(b"".join(target.token_bytes(t) for t in tokens))
+            piece = slot.output.feed(new)
             if piece:
-                slot.gen._put(Piece(piece, slot.pending, state.logprobs[slot.n_logprobs:]))
-                slot.pending, slot.n_logprobs = [], len(state.logprobs)
-        if slot.text.stopped or state.finish_reason is not None:
+                slot.gen._put(piece)
+        if slot.output.stopped or slot.state.finish_reason is not None:
             self._finish(slot, None)
 
     def _finish(self, slot: _Slot, interrupted: str | None) -> None:
-        state, gen, text = slot.state, slot.gen, slot.text
-        tail = "" if text.stopped else text.feed(b"", final=True)
-        if tail or slot.pending:
-            gen._put(Piece(tail, slot.pending, state.logprobs[slot.n_logprobs:]))
+        state, gen = slot.state, slot.gen
+        tail = slot.output.finish(interrupted)
+        if tail:
+            gen._put(tail)
         state.stats.decode_s = time.perf_counter() - slot.t_decode if not slot.prefilling else 0.0
-        finish = "stop" if text.stopped else interrupted or state.finish_reason or "stop"
-        gen.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                      prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats,
-                                      logprobs=state.logprobs if gen.config.logprobs is not None else None)
+        gen.result = slot.output.result()
+        finish = gen.result.finish_reason
         if not slot.prefilling:
             slot.engine.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
         if self.prefix_cache is not None and finish != "cancelled" and not slot.prefilling:
@@ -445,7 +438,7 @@ class SlotScheduler(Submitter):
         gen._put(exc)
 
     def _free(self, slot: _Slot) -> None:
-        slot.gen = slot.state = slot.policy = slot.text = slot.pending = None
+        slot.gen = slot.state = slot.policy = slot.output = None
         slot.prefilling, slot.rows = False, 0
         self._release_count()
 

@@ -382,14 +382,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def sha256_tree(path: Path) -> str:
-    """A directory's hash: sha256 over its files' relative paths and sha256s, in sorted order."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f)}\n".encode())
-    return h.hexdigest()
-
-
 def _artifact(work: Path, path: Path, quant: str) -> dict:
     return {"file": _rel(work, path), "quant": quant}
 

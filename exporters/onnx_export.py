@@ -165,11 +165,6 @@ class OnnxCausalLM:
         return np.concatenate([self.decode(list(c)) for c in chunks])
 
 
-def onnx_dir_files(directory: Path) -> list[Path]:
-    """Every file of an ONNX export directory (models, external data, config, tokenizer)."""
-    return sorted(p for p in directory.rglob("*") if p.is_file())
-
-
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
              "generation_config.json", "config.json"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import load_runtime
-from edgespec.engine import Engine, GenerationConfig, TextAssembler
+from edgespec.detokenize import TextAssembler
+from edgespec.engine import Engine, GenerationConfig
 from edgespec.errors import ContextOverflowError, EdgespecError
 
 GREEDY = dict(temperature=0.0)

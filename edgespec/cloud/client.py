@@ -46,7 +46,8 @@ import ssl
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from contextlib import closing
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -56,7 +57,8 @@ from edgespec.cloud.protocol import (CONTENT_TYPE, CompactProbs, ProtocolError, 
                                      SessionResponse, VerifyRequest, VerifyResponse, compact_row, pack,
                                      vocab_fingerprint)
 from edgespec.drafters import EMPTY_DRAFT, Draft
-from edgespec.engine import Engine, GenerationConfig, GenerationResult, SpeculativeState, TextAssembler, Verification
+from edgespec.detokenize import Detokenizer, GenerationResult
+from edgespec.engine import Engine, GenerationConfig, SpeculativeState, Verification
 from edgespec.errors import EdgespecError
 from edgespec.policy import FixedPolicy
 from edgespec.runtimes.base import Runtime, sync_to
@@ -493,8 +495,6 @@ class CloudEdgeClient:
     # -- public API -----------------------------------------------------------------------------
 
     def stream(self, prompt, config: GenerationConfig = GenerationConfig(), **overrides) -> "CloudGenerationStream":
-        from dataclasses import replace
-
         config = replace(config, **overrides) if overrides else config
         return CloudGenerationStream(self, self.engine.prompt_tokens(prompt, raw=config.raw), config)
 
@@ -546,208 +546,10 @@ class CloudEdgeClient:
 
     def rounds(self, prompt_ids: Sequence[int], config: GenerationConfig) -> Iterator[tuple[SpeculativeState, np.ndarray]]:
         """Yields (state, tokens added) until a stop; the state's stats are CloudStats."""
-        opts = self.options
-        t0 = time.perf_counter()
-        seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
-        sent0, recv0, req0 = self.http.counters()
-        self._sessions_passes = {}
-        # Ask the server to prefill while the draft model prefills here.
-        probe = CloudStats(mode=CLOUD, prompt_tokens=len(prompt_ids), seed=seed)
-        placeholder = SpeculativeState(np.asarray(prompt_ids, dtype=np.int32), len(prompt_ids), len(prompt_ids),
-                                       config.max_tokens, Sampler(config.sampling, seed), probe)
-        if not prompt_ids or len(prompt_ids) + config.max_tokens > self.draft.n_ctx:
-            self.engine.start(prompt_ids, config, FixedPolicy(None, 0), CLOUD)  # raises the engine's clear error
-        start_future = self.pool.submit(self._call_start, self._start_request(placeholder, None), opts.start_timeout_s)
-        state = self.engine.start(prompt_ids, replace_seed(config, seed), FixedPolicy(None, 0), CLOUD)
-        base = state.stats
-        state.stats = CloudStats(mode=CLOUD, prompt_tokens=base.prompt_tokens, seed=seed, prefill_s=base.prefill_s)
-        self.last_state = state
-        stats: CloudStats = state.stats
-        server: _Server | None = None
-        last_sid: str | None = None
-        try:
-            response, elapsed = start_future.result(timeout=opts.start_timeout_s + 1)
-            try:
-                server = self._check_session(state, response)
-            except EdgespecError:
-                self.pool.submit(self._close_quietly, response.session_id)
-                raise
-            last_sid = server.session_id
-            self.monitor.observe(len(placeholder.committed) * 4 + 200, elapsed, response.server_s)
-        except EdgespecError:
-            raise
-        except VerifierError as exc:
-            if exc.status in (401, 403):
-                raise EdgespecError(f"the verifier refused the API key ({exc.message}); pass the right --api-key")
-            if exc.status < 500 and exc.status != 429:
-                raise EdgespecError(f"the verifier refused the session: {exc.message}")
-            self.notify(f"verifier unavailable ({exc.status} {exc.code}); generating with the local model, unverified")
-        except Exception as exc:
-            self.notify(f"verifier unreachable ({type(exc).__name__}); generating with the local model, unverified")
-        stats.prefill_s = time.perf_counter() - t0
-
-        chain = _Chain()
-        pipe = _Pipeline()
-        next_probe, probe_every, probe_future = time.perf_counter() + opts.reconnect_s, opts.reconnect_s, None
-        last_commit = time.perf_counter()
-        t_decode = time.perf_counter()
-        eog = self.draft.vocab.eog
-        greedy = state.sampler.params.greedy
-
-        def go_offline(reason: str) -> None:
-            nonlocal server, chain, next_probe, probe_every
-            if server is not None:
-                self.notify(f"verifier {reason}; continuing with the local model, output unverified until it is back")
-            server, chain = None, _Chain()
-            pipe.drop()
-            probe_every = opts.reconnect_s
-            next_probe = time.perf_counter() + probe_every
-
-        def rebuild(resume: str | None) -> bool:
-            """Start the session again from the whole history (same session id when it still exists)."""
-            nonlocal server, chain, last_sid
-            pipe.drop()
-            request = self._start_request(state, resume)
-            try:
-                response, elapsed = self.pool.submit(self._call_start, request, opts.start_timeout_s).result(
-                    timeout=opts.start_timeout_s + 1)
-            except VerifierError as exc:
-                if exc.status in (401, 403):
-                    raise EdgespecError(f"the verifier refused the API key ({exc.message}); pass the right --api-key")
-                return False
-            except Exception:
-                return False
-            server = self._check_session(state, response)
-            last_sid = server.session_id
-            stats.rebuilds += 1
-            chain = _Chain()
-            return True
-
-        try:
-            while state.finish_reason is None:
-                now = time.perf_counter()
-                # 1. the oldest block's answer has come back
-                head = pipe.head
-                if head is not None and head.future.done():
-                    pipe.pop()
-                    t_answer = time.perf_counter()
-                    try:
-                        answer, nbytes = head.future.result()
-                        response = VerifyResponse.from_wire(answer, self.draft.vocab.n_vocab)
-                    except VerifierError as exc:
-                        if exc.status in (401, 403):
-                            raise EdgespecError(f"the verifier refused the API key ({exc.message})") from None
-                        if exc.status == 400 and head.assumed:
-                            # a 1.0 verifier does not know assume_from/assume_last: one block in flight
-                            # from now on; the chain is still right and its first block goes out again
-                            self._max_inflight = 1
-                            pipe.drop()
-                            self.notify("the verifier speaks protocol 1.0; keeping one block in flight")
-                            continue
-                        if exc.status in (404, 409):
-                            if not rebuild(server.session_id if exc.status == 409 else None):
-                                go_offline("lost the session and could not rebuild it")
-                            continue
-                        if exc.status >= 500 or exc.status == 429:
-                            go_offline(f"answered {exc.status} {exc.code}")
-                            continue
-                        raise EdgespecError(f"the verifier refused a request: {exc.message}") from None
-                    except ProtocolError as exc:
-                        raise EdgespecError(f"the verifier sent a malformed answer: {exc.message}") from None
-                    except Exception as exc:
-                        go_offline(f"unreachable ({type(exc).__name__})")
-                        continue
-                    n_sent, n = len(head.tokens), response.n_accepted
-                    self.monitor.observe(nbytes, t_answer - head.sent_at, response.server_s, not head.assumed)
-                    self.monitor.observe_round(n_sent, min(n, n_sent))
-                    if (n > n_sent or response.n_past != server.n_past + n + 1
-                            or response.revision != server.revision + 1):
-                        raise EdgespecError("the verifier's answer does not fit the request (protocol violation)")
-                    server.revision, server.n_past = response.revision, response.n_past
-                    self._sessions_passes[server.session_id] = response.passes
-                    new = self.engine.accept_step(state, Verification(Draft(head.tokens), n, response.token), CLOUD)
-                    if n == n_sent and len(chain) > n_sent and chain.tokens[n_sent] == response.token:
-                        chain.drop(n_sent + 1)  # drafted on exactly this outcome: the blocks behind stay valid
-                        stats.promoted += chain.promote()
-                    else:
-                        stats.stale_blocks += pipe.drop()  # drafted on a future that did not happen
-                        chain = _Chain()
-                    if self.tuner is not None:
-                        t = time.perf_counter()
-                        self.tuner.observe(len(new), t - last_commit)
-                        last_commit = t
-                    if len(new):
-                        yield state, new
-                    continue
-
-                # 2. the answer is late: carry on alone
-                if head is not None and now > head.deadline:
-                    go_offline(f"slower than the {head.deadline - head.sent_at:.1f} s deadline")
-                    continue
-
-                # 3. offline: one token with the local model, and now and then a probe
-                if server is None:
-                    if probe_future is not None and probe_future.done():
-                        ok = probe_future.exception() is None
-                        probe_future = None
-                        if ok and rebuild(last_sid):
-                            self.notify("verifier is back; verifying again")
-                            continue
-                        probe_every = min(8.0, probe_every * 2)
-                        next_probe = time.perf_counter() + probe_every
-                    if probe_future is None and time.perf_counter() >= next_probe:
-                        probe_future = self.pool.submit(self.http.call, "GET", "/v1/health", None, 2.0)
-                    new = self._offline_token(state)
-                    if len(new):
-                        yield state, new
-                    continue
-
-                # 4. the next block starts after the blocks in flight and their assumed bonuses:
-                #    it goes out once its gate closes and a slot is free
-                gate, limit = self.gate, self._max_inflight if opts.pipelined else 1
-                base = pipe.span
-                room = self._room(gate, state.remaining - base - 1, server, state.n + base)
-                end = None
-                if base == 0 or (room > 0 and len(chain) >= base):
-                    cap = self.monitor.best_block(max(1, room), limit if opts.pipelined else 0)
-                    end = chain.block_end(gate, min(room, cap), eog, base)
-                    if end is not None and len(pipe) < limit:
-                        self._send(server, chain, pipe, base, end, state.n, greedy)
-                        continue
-                # wait for an answer where drafting more cannot help: sequential mode, the next block
-                # complete and every slot taken, no room for another block, or an end of generation drafted
-                at_eog = len(chain) > 0 and chain.tokens[-1] in eog
-                if head is not None and (not opts.pipelined or end is not None or room <= 0 or at_eog):
-                    t = time.perf_counter()
-                    concurrent.futures.wait([head.future], timeout=max(0.0, head.deadline - t))
-                    stats.wait_s += time.perf_counter() - t
-                    continue
-
-                # 5. draft one more token at the end of the chain
-                context = state.committed
-                if len(chain):
-                    context = np.concatenate([context, np.asarray(chain.tokens, dtype=np.int32)])
-                t = time.perf_counter()
-                token, conf, ids, weights = self._draft_one(state, context)
-                dt = time.perf_counter() - t
-                stats.draft_s += dt
-                self.monitor.observe_draft_step(dt)
-                ahead = head is not None  # drafted on the assumption that the blocks in flight are accepted
-                stats.predrafted += ahead
-                chain.add(token, conf, ids, weights, ahead)
-        finally:
-            stats.decode_s = time.perf_counter() - t_decode
-            stats.verify_s = stats.wait_s
-            sent, recv, req = self.http.counters()
-            stats.bytes_sent, stats.bytes_received, stats.requests = sent - sent0, recv - recv0, req - req0
-            stats.verifier_passes = self._passes()
-            stats.rtt_ms = self.monitor.rtt_s * 1000
-            bw = self.monitor.uplink_bytes_per_s
-            stats.uplink_mbit_s = 0.0 if math.isinf(bw) else bw * 8 / 1e6
-            stats.gate = asdict(self.gate)
-            if server is not None:
-                sid = server.session_id
-                self.pool.submit(self._close_quietly, sid)
+        generation = CloudGeneration(self, prompt_ids, config)
+        with closing(generation.rounds()) as rounds:
+            for new in rounds:
+                yield generation.state, new
 
     def _close_quietly(self, session_id: str) -> None:
         try:
@@ -755,58 +557,258 @@ class CloudEdgeClient:
         except Exception:
             pass
 
-    @staticmethod
-    def _room(gate: Gate, room: int, server: _Server, n_base: int) -> int:
-        """Most tokens a block may hold: the gate's cap, the generation budget, the server's limits."""
-        limits = server.limits
-        return max(0, min(gate.max_block, room, limits.max_draft, limits.max_context - n_base - 1))
-
-    def _send(self, server: _Server, chain: _Chain, pipe: _Pipeline, start: int, n: int, n_committed: int,
-              greedy: bool) -> None:
-        """Send the chain's block [start, start + n) behind the blocks in flight."""
-        tokens, probs = chain.request(start, n, greedy)
-        depth = len(pipe)
-        if depth == 0:
-            if server.n_past != n_committed:
-                raise EdgespecError("internal: client and verifier disagree on the committed length")
-            request = VerifyRequest(server.revision, server.n_past, tokens, probs)
-            pipe.root = server.revision
-        else:  # the state after the blocks ahead, all accepted with the bonus drafted after each
-            request = VerifyRequest(server.revision + depth, n_committed + start, tokens, probs,
-                                    assume_from=pipe.root, assume_last=chain.tokens[start - 1])
-        nbytes = 200 + len(tokens) * 4 + (0 if probs is None else probs.nbytes)
-        expected = self.monitor.expected_answer_s(nbytes)
-        deadline_s = self.options.deadline_s or max(self.options.deadline_floor_s, 4 * expected)
-        t = time.perf_counter()
-        future = self.pool.submit(self.http.call, "POST", f"/v1/sessions/{server.session_id}/verify",
-                                  request.to_wire(), deadline_s + 5)
-        pipe.push(_Block(future, tokens, t, t + deadline_s, assumed=depth > 0))
-
-    def _draft_one(self, state: SpeculativeState, context: np.ndarray):
-        """One draft token after `context`: (token, confidence, compact ids, weights)."""
-        rt = self.draft
-        kept = sync_to(rt, context)
-        if kept == len(context):
-            rt.truncate(kept - 1)
-            kept -= 1
-        logits = rt.decode(context[kept:], 1)
-        sampler = state.sampler
-        row = sampler.rows(logits, context, context[:0])[0]
-        if sampler.params.greedy:
-            token = int(np.argmax(row))
-            z = np.exp(logits[0].astype(np.float64) - float(logits[0].max()))
-            return token, float(z[token] / z.sum()), None, None
-        ids, weights, q = self._compact(row)
-        token = sample(q, sampler.rng)
-        return token, float(q[token]), ids, weights
-
     def _compact(self, row: np.ndarray):
         """The distribution sent and the one drafted from: they must be the same (see module doc)."""
         return compact_row(row, self.options.probs_k)
 
-    def _offline_token(self, state: SpeculativeState) -> np.ndarray:
+
+class CloudGeneration:
+    """One generation against the verifier: `rounds` yields the tokens each turn commits.
+
+    It carries what a generation needs between turns: the state, the session on the server (None
+    while offline), the chain drafted past the committed tokens and the blocks in flight. Each turn
+    does one thing, in this order of priority:
+
+        receive     the oldest block's answer is back: reconcile it with the request, commit
+        go_offline  the answer is late: carry on with the local model
+        offline     no server: probe for it now and then, decode one token locally (unverified)
+        send        the next block's gate has closed and a slot is free: send it
+        wait        drafting more cannot help: wait for the oldest answer
+        draft       one more token at the end of the chain
+    """
+
+    def __init__(self, client: CloudEdgeClient, prompt_ids: Sequence[int], config: GenerationConfig):
+        self.client, self.options = client, client.options
+        self.prompt_ids, self.config = list(prompt_ids), config
+        self.state: SpeculativeState | None = None
+        self.server: _Server | None = None
+        self.last_sid: str | None = None       # the session to resume after an outage
+        self.chain, self.pipe = _Chain(), _Pipeline()
+        self.probe_future: concurrent.futures.Future | None = None
+        self.probe_every = self.options.reconnect_s
+        self.next_probe = self.last_commit = self.t_decode = 0.0
+        self._counters0 = (0, 0, 0)            # the HTTP client's byte and request counters at the start
+
+    @property
+    def stats(self) -> CloudStats:
+        return self.state.stats
+
+    # -- start and end ----------------------------------------------------------------------------
+
+    def open(self) -> SpeculativeState:
+        """Prefill the draft model here while the server prefills the session there."""
+        client, config, prompt_ids = self.client, self.config, self.prompt_ids
+        t0 = time.perf_counter()
+        seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
+        self._counters0 = client.http.counters()
+        client._sessions_passes = {}
+        # Ask the server to prefill while the draft model prefills here.
+        placeholder = SpeculativeState(np.asarray(prompt_ids, dtype=np.int32), len(prompt_ids), len(prompt_ids),
+                                       config.max_tokens, Sampler(config.sampling, seed),
+                                       CloudStats(mode=CLOUD, prompt_tokens=len(prompt_ids), seed=seed))
+        if not prompt_ids or len(prompt_ids) + config.max_tokens > client.draft.n_ctx:
+            client.engine.start(prompt_ids, config, FixedPolicy(None, 0), CLOUD)  # raises the engine's clear error
+        start_future = client.pool.submit(client._call_start, client._start_request(placeholder, None),
+                                          self.options.start_timeout_s)
+        # the verifier sends no logits: a cloud generation has no log-probabilities
+        state = client.engine.start(prompt_ids, replace(config, seed=seed, logprobs=None), FixedPolicy(None, 0), CLOUD)
+        base = state.stats
+        state.stats = CloudStats(mode=CLOUD, prompt_tokens=base.prompt_tokens, seed=seed, prefill_s=base.prefill_s)
+        self.state = client.last_state = state
+        self._join(start_future, len(placeholder.committed) * 4 + 200)
+        state.stats.prefill_s = time.perf_counter() - t0
+        self.next_probe = time.perf_counter() + self.options.reconnect_s
+        self.last_commit = self.t_decode = time.perf_counter()
+        return state
+
+    def _join(self, start_future: concurrent.futures.Future, nbytes: int) -> None:
+        """Take the session the server started, or go on offline (with a notice) when there is none."""
+        client = self.client
+        try:
+            response, elapsed = start_future.result(timeout=self.options.start_timeout_s + 1)
+            try:
+                self.server = client._check_session(self.state, response)
+            except EdgespecError:
+                client.pool.submit(client._close_quietly, response.session_id)
+                raise
+            self.last_sid = self.server.session_id
+            client.monitor.observe(nbytes, elapsed, response.server_s)
+        except EdgespecError:
+            raise
+        except VerifierError as exc:
+            if exc.status in (401, 403):
+                raise EdgespecError(f"the verifier refused the API key ({exc.message}); pass the right --api-key")
+            if exc.status < 500 and exc.status != 429:
+                raise EdgespecError(f"the verifier refused the session: {exc.message}")
+            client.notify(f"verifier unavailable ({exc.status} {exc.code}); generating with the local model, "
+                          "unverified")
+        except Exception as exc:
+            client.notify(f"verifier unreachable ({type(exc).__name__}); generating with the local model, unverified")
+
+    def close(self) -> None:
+        """The network's side of the stats; the session is closed on the server in the background."""
+        client, stats = self.client, self.stats
+        stats.decode_s = time.perf_counter() - self.t_decode
+        stats.verify_s = stats.wait_s
+        (sent, recv, req), (sent0, recv0, req0) = client.http.counters(), self._counters0
+        stats.bytes_sent, stats.bytes_received, stats.requests = sent - sent0, recv - recv0, req - req0
+        stats.verifier_passes = client._passes()
+        stats.rtt_ms = client.monitor.rtt_s * 1000
+        bw = client.monitor.uplink_bytes_per_s
+        stats.uplink_mbit_s = 0.0 if math.isinf(bw) else bw * 8 / 1e6
+        stats.gate = asdict(client.gate)
+        if self.server is not None:
+            client.pool.submit(client._close_quietly, self.server.session_id)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def rounds(self) -> Iterator[np.ndarray]:
+        """Yields the tokens each turn commits until a stop (opening the session first unless `open` did)."""
+        if self.state is None:
+            self.open()
+        try:
+            while self.state.finish_reason is None:
+                new = self.turn()
+                if new is not None and len(new):
+                    yield new
+        finally:
+            self.close()
+
+    def turn(self) -> np.ndarray | None:
+        """One step of the loop (see the class doc); the tokens it committed, if any."""
+        now = time.perf_counter()
+        head = self.pipe.head
+        if head is not None and head.future.done():
+            return self.receive()
+        if head is not None and now > head.deadline:
+            self.go_offline(f"slower than the {head.deadline - head.sent_at:.1f} s deadline")
+            return None
+        if self.server is None:
+            return self.offline()
+        if not self.send_or_wait():
+            self.draft()
+        return None
+
+    # -- answers ----------------------------------------------------------------------------------
+
+    def receive(self) -> np.ndarray | None:
+        """The oldest block's answer: commit what it accepted (None when it was an error dealt with here)."""
+        head = self.pipe.pop()
+        t_answer = time.perf_counter()
+        try:
+            answer, nbytes = head.future.result()
+            response = VerifyResponse.from_wire(answer, self.client.draft.vocab.n_vocab)
+        except VerifierError as exc:
+            self._refused(exc, head)
+            return None
+        except ProtocolError as exc:
+            raise EdgespecError(f"the verifier sent a malformed answer: {exc.message}") from None
+        except Exception as exc:
+            self.go_offline(f"unreachable ({type(exc).__name__})")
+            return None
+        self.reconcile(head, response, nbytes, t_answer)
+        return self.commit(head, response)
+
+    def _refused(self, exc: VerifierError, head: _Block) -> None:
+        """An error answer: go on where the protocol allows it (one block in flight, a rebuilt session,
+        offline), else stop with the reason."""
+        if exc.status in (401, 403):
+            raise EdgespecError(f"the verifier refused the API key ({exc.message})") from None
+        if exc.status == 400 and head.assumed:
+            # a 1.0 verifier does not know assume_from/assume_last: one block in flight
+            # from now on; the chain is still right and its first block goes out again
+            self.client._max_inflight = 1
+            self.pipe.drop()
+            self.client.notify("the verifier speaks protocol 1.0; keeping one block in flight")
+        elif exc.status in (404, 409):
+            if not self.rebuild(self.server.session_id if exc.status == 409 else None):
+                self.go_offline("lost the session and could not rebuild it")
+        elif exc.status >= 500 or exc.status == 429:
+            self.go_offline(f"answered {exc.status} {exc.code}")
+        else:
+            raise EdgespecError(f"the verifier refused a request: {exc.message}") from None
+
+    def reconcile(self, head: _Block, response: VerifyResponse, nbytes: int, t_answer: float) -> None:
+        """Measure the link by the answer, check that it fits the request, follow the session's state."""
+        monitor, server = self.client.monitor, self.server
+        n_sent, n = len(head.tokens), response.n_accepted
+        monitor.observe(nbytes, t_answer - head.sent_at, response.server_s, not head.assumed)
+        monitor.observe_round(n_sent, min(n, n_sent))
+        if n > n_sent or response.n_past != server.n_past + n + 1 or response.revision != server.revision + 1:
+            raise EdgespecError("the verifier's answer does not fit the request (protocol violation)")
+        server.revision, server.n_past = response.revision, response.n_past
+        self.client._sessions_passes[server.session_id] = response.passes
+
+    def commit(self, head: _Block, response: VerifyResponse) -> np.ndarray:
+        """Commit the accepted tokens and the correction or bonus; the blocks behind stay in flight
+        only when they were drafted on exactly this outcome."""
+        n_sent, n, chain = len(head.tokens), response.n_accepted, self.chain
+        new = self.client.engine.accept_step(self.state, Verification(Draft(head.tokens), n, response.token), CLOUD)
+        if n == n_sent and len(chain) > n_sent and chain.tokens[n_sent] == response.token:
+            chain.drop(n_sent + 1)
+            self.stats.promoted += chain.promote()
+        else:
+            self.stats.stale_blocks += self.pipe.drop()  # drafted on a future that did not happen
+            self.chain = _Chain()
+        tuner = self.client.tuner
+        if tuner is not None:
+            t = time.perf_counter()
+            tuner.observe(len(new), t - self.last_commit)
+            self.last_commit = t
+        return new
+
+    # -- without the server -----------------------------------------------------------------------
+
+    def go_offline(self, reason: str) -> None:
+        if self.server is not None:
+            self.client.notify(f"verifier {reason}; continuing with the local model, output unverified until it "
+                               "is back")
+        self.server, self.chain = None, _Chain()
+        self.pipe.drop()
+        self.probe_every = self.options.reconnect_s
+        self.next_probe = time.perf_counter() + self.probe_every
+
+    def rebuild(self, resume: str | None) -> bool:
+        """Start the session again from the whole history (same session id when it still exists)."""
+        client, timeout = self.client, self.options.start_timeout_s
+        self.pipe.drop()
+        request = client._start_request(self.state, resume)
+        try:
+            response, elapsed = client.pool.submit(client._call_start, request, timeout).result(timeout=timeout + 1)
+        except VerifierError as exc:
+            if exc.status in (401, 403):
+                raise EdgespecError(f"the verifier refused the API key ({exc.message}); pass the right --api-key")
+            return False
+        except Exception:
+            return False
+        self.server = client._check_session(self.state, response)
+        self.last_sid = self.server.session_id
+        self.stats.rebuilds += 1
+        self.chain = _Chain()
+        return True
+
+    def offline(self) -> np.ndarray | None:
+        """No server: now and then a probe (back to verifying once it answers), else one local token."""
+        if self.probe_future is not None and self.probe_future.done() and self._probed():
+            return None
+        if self.probe_future is None and time.perf_counter() >= self.next_probe:
+            self.probe_future = self.client.pool.submit(self.client.http.call, "GET", "/v1/health", None, 2.0)
+        return self.offline_token()
+
+    def _probed(self) -> bool:
+        """The probe has answered: True when the session is rebuilt, else the next probe waits longer."""
+        ok = self.probe_future.exception() is None
+        self.probe_future = None
+        if ok and self.rebuild(self.last_sid):
+            self.client.notify("verifier is back; verifying again")
+            return True
+        self.probe_every = min(8.0, self.probe_every * 2)
+        self.next_probe = time.perf_counter() + self.probe_every
+        return False
+
+    def offline_token(self) -> np.ndarray:
         """Plain decoding with the local model: the engine's zero-draft round on the draft runtime."""
-        rt, committed = self.draft, state.committed
+        state, rt, committed = self.state, self.client.draft, self.state.committed
         kept = sync_to(rt, committed[:-1])
         if kept < len(committed) - 1:
             rt.decode(committed[kept:-1], 0)
@@ -816,8 +818,8 @@ class CloudEdgeClient:
         token = state.sampler.pick(row[0])
         state.stats.draft_s += time.perf_counter() - t
         start = state.n - state.n_prompt
-        new = self.engine.accept_step(state, Verification(EMPTY_DRAFT, 0, token), OFFLINE)
-        stats: CloudStats = state.stats
+        new = self.client.engine.accept_step(state, Verification(EMPTY_DRAFT, 0, token), OFFLINE)
+        stats = self.stats
         if len(new):
             stats.offline_tokens += len(new)
             if stats.offline_spans and stats.offline_spans[-1][1] == start:
@@ -826,11 +828,93 @@ class CloudEdgeClient:
                 stats.offline_spans.append([start, start + len(new)])
         return new
 
+    # -- drafting and sending ---------------------------------------------------------------------
 
-def replace_seed(config: GenerationConfig, seed: int) -> GenerationConfig:
-    from dataclasses import replace
+    def send_or_wait(self) -> bool:
+        """The next block starts after the blocks in flight and their assumed bonuses: send it once
+        its gate closes and a slot is free, or wait for an answer where drafting more cannot help.
+        False: neither; draft."""
+        client, opts, state, chain, pipe = self.client, self.options, self.state, self.chain, self.pipe
+        gate, limit = client.gate, client._max_inflight if opts.pipelined else 1
+        eog = client.draft.vocab.eog
+        base = pipe.span
+        room = self._room(gate, state.remaining - base - 1, state.n + base)
+        end = None
+        if base == 0 or (room > 0 and len(chain) >= base):
+            cap = client.monitor.best_block(max(1, room), limit if opts.pipelined else 0)
+            end = chain.block_end(gate, min(room, cap), eog, base)
+            if end is not None and len(pipe) < limit:
+                self.send(base, end)
+                return True
+        # wait where drafting more cannot help: sequential mode, the next block complete and every
+        # slot taken, no room for another block, or an end of generation drafted
+        at_eog = len(chain) > 0 and chain.tokens[-1] in eog
+        if pipe.head is not None and (not opts.pipelined or end is not None or room <= 0 or at_eog):
+            self.wait(pipe.head)
+            return True
+        return False
 
-    return replace(config, seed=seed)
+    def _room(self, gate: Gate, room: int, n_base: int) -> int:
+        """Most tokens a block may hold: the gate's cap, the generation budget, the server's limits."""
+        limits = self.server.limits
+        return max(0, min(gate.max_block, room, limits.max_draft, limits.max_context - n_base - 1))
+
+    def send(self, start: int, n: int) -> None:
+        """Send the chain's block [start, start + n) behind the blocks in flight."""
+        client, server, pipe, n_committed = self.client, self.server, self.pipe, self.state.n
+        tokens, probs = self.chain.request(start, n, self.state.sampler.params.greedy)
+        depth = len(pipe)
+        if depth == 0:
+            if server.n_past != n_committed:
+                raise EdgespecError("internal: client and verifier disagree on the committed length")
+            request = VerifyRequest(server.revision, server.n_past, tokens, probs)
+            pipe.root = server.revision
+        else:  # the state after the blocks ahead, all accepted with the bonus drafted after each
+            request = VerifyRequest(server.revision + depth, n_committed + start, tokens, probs,
+                                    assume_from=pipe.root, assume_last=self.chain.tokens[start - 1])
+        nbytes = 200 + len(tokens) * 4 + (0 if probs is None else probs.nbytes)
+        expected = client.monitor.expected_answer_s(nbytes)
+        deadline_s = self.options.deadline_s or max(self.options.deadline_floor_s, 4 * expected)
+        t = time.perf_counter()
+        future = client.pool.submit(client.http.call, "POST", f"/v1/sessions/{server.session_id}/verify",
+                                    request.to_wire(), deadline_s + 5)
+        pipe.push(_Block(future, tokens, t, t + deadline_s, assumed=depth > 0))
+
+    def wait(self, head: _Block) -> None:
+        t = time.perf_counter()
+        concurrent.futures.wait([head.future], timeout=max(0.0, head.deadline - t))
+        self.stats.wait_s += time.perf_counter() - t
+
+    def draft(self) -> None:
+        """One more draft token at the end of the chain (ahead of the blocks in flight, if any)."""
+        context = self.state.committed
+        if len(self.chain):
+            context = np.concatenate([context, np.asarray(self.chain.tokens, dtype=np.int32)])
+        t = time.perf_counter()
+        token, conf, ids, weights = self.draft_one(context)
+        dt = time.perf_counter() - t
+        self.stats.draft_s += dt
+        self.client.monitor.observe_draft_step(dt)
+        ahead = self.pipe.head is not None  # drafted on the assumption that the blocks in flight are accepted
+        self.stats.predrafted += ahead
+        self.chain.add(token, conf, ids, weights, ahead)
+
+    def draft_one(self, context: np.ndarray):
+        """One draft token after `context`: (token, confidence, compact ids, weights)."""
+        rt, sampler = self.client.draft, self.state.sampler
+        kept = sync_to(rt, context)
+        if kept == len(context):
+            rt.truncate(kept - 1)
+            kept -= 1
+        logits = rt.decode(context[kept:], 1)
+        row = sampler.rows(logits, context, context[:0])[0]
+        if sampler.params.greedy:
+            token = int(np.argmax(row))
+            z = np.exp(logits[0].astype(np.float64) - float(logits[0].max()))
+            return token, float(z[token] / z.sum()), None, None
+        ids, weights, q = self.client._compact(row)
+        token = sample(q, sampler.rng)
+        return token, float(q[token]), ids, weights
 
 
 class CloudGenerationStream:
@@ -848,23 +932,8 @@ class CloudGenerationStream:
             yield from self._pieces()
 
     def _pieces(self) -> Iterator[str]:
-        client = self.client
-        text = TextAssembler(self.config.stop)
-        loop = self.client.rounds(self.prompt_ids, self.config)
-        try:
-            for state, new in loop:
-                piece = text.feed(b"".join(client.draft.token_bytes(t) for t in new.tolist()))
-                if piece:
-                    yield piece
-                if text.stopped:
-                    break
-        finally:
-            loop.close()
-        if not text.stopped:
-            piece = text.feed(b"", final=True)
-            if piece:
-                yield piece
-        state = self.state = client.last_state
-        finish = "stop" if text.stopped else state.finish_reason or "stop"
-        self.result = GenerationResult(text=text.text, tokens=state.committed[state.n_prompt:].tolist(),
-                                       prompt_tokens=state.n_prompt, finish_reason=finish, stats=state.stats)
+        generation = CloudGeneration(self.client, self.prompt_ids, self.config)
+        self.state = generation.open()
+        output = Detokenizer(self.client.draft, self.config.stop, self.state)
+        yield from output.texts(generation.rounds())
+        self.result = output.result()
