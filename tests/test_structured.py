@@ -334,3 +334,150 @@ def test_constrained_output_on_onnx_equals_llama_cpp(request):
         assert plain.tokens == onnx.generate_tokens(ids, GenerationConfig(mode="draft", **cfg)).tokens
         import re
         assert re.fullmatch(r"[a-z]+( [a-z]+)*\.?", text_of(onnx, plain.tokens).strip() or "a")
+
+
+# --- the OpenAI server: response_format, tools, refused fields (the real client, a real server) ---
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(smollm2_path, tmp_path_factory):
+    from test_server import running_server
+
+    log = tmp_path_factory.mktemp("serve-tools") / "server.log"
+    with running_server(log, "--target", smollm2_path, "--model-name", "smol", "--mode", "lookup",
+                        "--ctx", 2048) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{tool_server}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_response_format_json_schema_and_json_object(tool_client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = tool_client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "The largest city of France, as JSON."}],
+        temperature=0, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, temperature=0, max_tokens=80,
+                                            response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+def check_calls(message, names):
+    assert message.content is None and message.tool_calls
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_required_named_and_single_tool_calls(tool_client):
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                            temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message, {"get_weather", "get_time"})
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            max_tokens=80)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    check_calls(r.choices[0].message, {"get_time"})
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=80)
+    assert len(r.choices[0].message.tool_calls) == 1
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], tool_choice="auto",
+                                            temperature=0, max_tokens=60)
+    if r.choices[0].finish_reason == "tool_calls":
+        check_calls(r.choices[0].message, {"get_weather"})
+    else:
+        assert r.choices[0].message.content and not r.choices[0].message.content.startswith("{")
+
+
+def test_streamed_tool_calls(tool_client):
+    stream = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                                 tool_choice="required", max_tokens=120, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for entry in calls.values():
+        assert entry["name"] in ("get_weather", "get_time") and isinstance(json.loads(entry["arguments"]), dict)
+
+
+def test_a_tool_conversation_goes_through_the_template(tool_client):
+    first = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], temperature=0,
+                                                tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    r = tool_client.chat.completions.create(model="smol", messages=history, tools=[WEATHER], temperature=0,
+                                            max_tokens=40, tool_choice="none")
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+
+
+def test_penalties_and_logit_bias_are_honoured_exactly(tool_client, smollm2_path):
+    from edgespec.engine import Engine
+
+    settings = dict(temperature=0, max_tokens=24, presence_penalty=1.0, frequency_penalty=0.5)
+    with Engine(load_runtime(smollm2_path, n_ctx=2048, n_threads=1)) as library:
+        ids = library.prompt_tokens(ASK)
+        plain = library.generate_tokens(ids, GenerationConfig(mode="ar", **settings))
+        banned = plain.tokens[0]
+        biased = library.generate_tokens(ids, GenerationConfig(mode="ar", logit_bias=((banned, -100.0),), **settings))
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, **settings)
+    assert r.model_extra["edgespec"]["tokens"] == plain.tokens
+    r = tool_client.chat.completions.create(model="smol", messages=ASK, logit_bias={str(banned): -100}, **settings)
+    assert r.model_extra["edgespec"]["tokens"] == biased.tokens and banned not in biased.tokens
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"n": 2}, "n"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"presence_penalty": 5}, "presence_penalty"),
+])
+def test_fields_not_honoured_are_refused_by_name(tool_server, extra, param):
+    import httpx
+
+    body = {"model": "smol", "messages": ASK, "max_tokens": 4, **extra}
+    r = httpx.post(f"{tool_server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = httpx.post(f"{tool_server}/v1/chat/completions", json={"model": "smol", "messages": ASK, "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200  # the server keeps serving
