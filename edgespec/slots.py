@@ -105,17 +105,14 @@ class ParallelEngine:
     def load(cls, target: str | None, draft: str | None = None, *, parallel: int, n_ctx: int = 4096,
              n_threads: int | None = None, n_gpu_layers: int | None = None, type_k: str = "f16",
              type_v: str = "f16", offload_kqv: bool = True, verbose: bool = False) -> "ParallelEngine":
-        """Load models by catalog name or path with `parallel` slots sharing a pool of `n_ctx` KV cells."""
-        from edgespec.hardware import resolve_gpu_layers
-        from edgespec.models import catalog, store
-        from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+        """Load models by name (edgespec.loader) with `parallel` slots sharing a pool of `n_ctx` KV cells."""
+        from edgespec.loader import LoadOptions, load_slots
 
         per_slot = slot_context(n_ctx, parallel)
-        options = LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=resolve_gpu_layers(n_gpu_layers),
-                                  type_k=type_k, type_v=type_v, offload_kqv=offload_kqv, verbose=verbose)
-        target_rt = LlamaCppMultiSeqRuntime(store.resolve(target or catalog.DEFAULT_MODEL), options, n_seq=parallel)
+        options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, type_k=type_k,
+                              type_v=type_v, offload_kqv=offload_kqv, verbose=verbose)
+        target_rt, draft_rt = load_slots(target, draft, options, n_seq=parallel)
         try:
-            draft_rt = LlamaCppMultiSeqRuntime(store.resolve(draft), options, n_seq=parallel) if draft else None
             return cls(target_rt, draft_rt, slot_ctx=per_slot)
         except BaseException:
             target_rt.close()

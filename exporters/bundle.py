@@ -39,10 +39,12 @@ from typing import Sequence
 from edgespec.errors import EdgespecError, VocabMismatchError
 from edgespec.exporters import EXPORTER_VERSION
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
-from edgespec.exporters.hf_tokenizer import HFTokenizer, tokenizer_difference
 from edgespec.exporters.progress import SILENT, Progress
+from edgespec.runtimes.formats import BUNDLE_MANIFEST, sha256_file
+from edgespec.runtimes.hf_tokenizer import HFTokenizer
+from edgespec.vocab import CHECK_FROM_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE
 
-MANIFEST = "edgespec.json"
+MANIFEST = BUNDLE_MANIFEST
 SCHEMA = 1
 FORMATS = ("gguf", "onnx", "coreml")
 DEFAULT_GGUF_QUANTS = ("q4_k_m",)
@@ -177,6 +179,32 @@ def export_bundle(target: str | os.PathLike, out: str | os.PathLike, draft: str 
         if draft_ckpt is not None:
             draft_ckpt.close()
     return out
+
+
+def tokenizer_difference(target: HFTokenizer, draft: HFTokenizer) -> str | None:
+    """Where two checkpoints' tokenizers differ in a way that breaks speculation, else None.
+
+    The rule is llama.cpp's (edgespec.vocab): same splitting, size within 128, same text for every id
+    both have from id 5 on. Checked before any conversion so a bad pair fails in seconds.
+    """
+    if target.fingerprint() == draft.fingerprint():
+        return None
+    if (target.data.get("pre_tokenizer"), target.data.get("normalizer")) != \
+            (draft.data.get("pre_tokenizer"), draft.data.get("normalizer")):
+        return "their pre-tokenizers or normalizers differ, so the same text splits differently"
+    nt, nd = target.vocab_size(), draft.vocab_size()
+    if abs(nt - nd) > MAX_VOCAB_SIZE_DIFFERENCE:
+        return f"the draft has {nd} tokens, the target {nt} (more than {MAX_VOCAB_SIZE_DIFFERENCE} apart)"
+    tt, _ = target.tokens_and_types(nt)
+    td, _ = draft.tokens_and_types(nd)
+    for i in range(CHECK_FROM_TOKEN_ID, min(nt, nd)):
+        if tt[i] != td[i]:
+            return f"token {i} is {tt[i]!r} in the target but {td[i]!r} in the draft"
+    mt = target.data["model"]["merges"]
+    md = draft.data["model"]["merges"]
+    if mt != md:
+        return "their BPE merges differ, so the same text encodes to different ids"
+    return None
 
 
 def _export_into(work: Path, target: Checkpoint, draft: Checkpoint | None, tok: HFTokenizer, self_draft,
@@ -373,14 +401,6 @@ def _export_coreml_pair(work, target, draft, self_draft, options, progress, mani
 
 
 # --- files, hashes, moving --------------------------------------------------------------------------
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _artifact(work: Path, path: Path, quant: str) -> dict:
     return {"file": _rel(work, path), "quant": quant}

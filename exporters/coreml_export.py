@@ -38,9 +38,9 @@ import numpy as np
 from edgespec.errors import EdgespecError
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
 from edgespec.exporters.progress import SILENT, Progress
+from edgespec.runtimes.formats import COREML_FUNCTIONS as FUNCTIONS, causal_mask, describe_feature  # noqa: F401
 
 COREML_QUANTS = ("int8", "int4", "fp16")
-FUNCTIONS = ("prefill", "decode", "verify")
 
 
 def _torch():
@@ -191,13 +191,6 @@ def _rope_factors(ckpt: Checkpoint, inv_freq: np.ndarray) -> np.ndarray:
     raise EdgespecError(f"{ckpt.path.name}: rope_scaling {rs} is not supported by the Core ML exporter")
 
 
-def causal_mask(n_past: int, n_new: int, dtype=np.float16) -> np.ndarray:
-    """The additive mask for `n_new` tokens after `n_past` cached ones: shape (1, 1, n_new, n_past+n_new)."""
-    rows = np.arange(n_new)[:, None]
-    cols = np.arange(n_past + n_new)[None, :]
-    return np.where(cols > n_past + rows, -np.inf, 0.0).astype(dtype)[None, None]
-
-
 def decoder_logits(decoder, chunks: list[list[int]]) -> np.ndarray:
     """Run the torch decoder over token chunks in order (as prefill, decode, verify calls would);
     return the logits of every token, shape (sum of lengths, n_vocab)."""
@@ -322,17 +315,6 @@ def _write_metadata(package: Path, final: Path, ckpt: Checkpoint, quant: str, ma
 
 # --- inspection (any OS) ----------------------------------------------------------------------------
 
-def describe_feature(f) -> dict:
-    """One input, output or state of a package's spec: name, kind, shape (with flexible ranges), dtype."""
-    if f.type.WhichOneof("Type") == "stateType":
-        arr = f.type.stateType.arrayType
-        return {"name": f.name, "kind": "state", "shape": list(arr.shape), "dtype": _array_dtype(arr.dataType)}
-    arr = f.type.multiArrayType
-    ranges = [[r.lowerBound, r.upperBound] for r in arr.shapeRange.sizeRanges] if arr.HasField("shapeRange") else None
-    return {"name": f.name, "kind": "tensor", "shape": list(arr.shape), "ranges": ranges,
-            "dtype": _array_dtype(arr.dataType)}
-
-
 def describe_package(package: str | os.PathLike) -> dict:
     """What a package holds, read from its spec and MIL program without running it (works on Linux):
     functions with their inputs, outputs and states, weight types per function, and the size on disk."""
@@ -373,11 +355,3 @@ def describe_package(package: str | os.PathLike) -> dict:
         "bytes": size,
         "weight_bytes": weights.stat().st_size if weights.is_file() else 0,
     }
-
-
-def _array_dtype(code: int) -> str:
-    from coremltools.proto import FeatureTypes_pb2 as ft
-
-    names = {ft.ArrayFeatureType.FLOAT16: "float16", ft.ArrayFeatureType.FLOAT32: "float32",
-             ft.ArrayFeatureType.INT32: "int32", ft.ArrayFeatureType.DOUBLE: "float64"}
-    return names.get(code, str(code))

@@ -29,8 +29,8 @@ import gguf
 
 from edgespec.errors import EdgespecError
 from edgespec.exporters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from edgespec.exporters.hf_tokenizer import PARITY_TEXTS, HFTokenizer
 from edgespec.exporters.progress import SILENT, Progress
+from edgespec.runtimes.hf_tokenizer import PARITY_TEXTS, HFTokenizer
 
 FLOAT_TYPES = ("f32", "f16")
 _ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}

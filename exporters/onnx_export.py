@@ -26,9 +26,8 @@ import numpy as np
 from edgespec.errors import EdgespecError
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
 from edgespec.exporters.progress import SILENT, Progress
+from edgespec.runtimes.formats import ONNX_FILES, ONNX_QUANTS  # noqa: F401  (what the ONNX runtime reads)
 
-ONNX_QUANTS = ("fp32", "int8", "int4")
-ONNX_FILES = {"fp32": "model.onnx", "int8": "model_int8.onnx", "int4": "model_q4.onnx"}
 _EXTERNAL_DATA_LIMIT = 1_800_000_000  # protobuf's 2 GiB cap, with room for the graph itself
 
 

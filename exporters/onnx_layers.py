@@ -38,10 +38,9 @@ import numpy as np
 from edgespec.errors import EdgespecError
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
 from edgespec.exporters.progress import SILENT, Progress
+from edgespec.runtimes.formats import LAYERS_FORMAT as FORMAT, LAYERS_MANIFEST as MANIFEST, LAYERS_SCHEMA as SCHEMA
+from edgespec.runtimes.formats import sha256_file
 
-MANIFEST = "layers.json"
-FORMAT = "edgespec-onnx-layers"
-SCHEMA = 1
 OPSET = 17
 
 
@@ -141,7 +140,6 @@ def export_onnx_layers(source: str | os.PathLike | Checkpoint, out_dir: str | os
     """
     torch = _torch()
     from edgespec.exporters import EXPORTER_VERSION
-    from edgespec.exporters.bundle import sha256_file
     from edgespec.exporters.coreml_export import build_decoder
     from edgespec.exporters.onnx_export import copy_tokenizer_files
 

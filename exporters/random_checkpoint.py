@@ -156,7 +156,7 @@ def train_tokenizer(directory: Path, vocab_size: int = TOKENIZER_SIZE) -> dict[s
     """A byte-level BPE tokenizer.json with Qwen2's pre-tokenizer (NFC, its split regex, byte level),
     trained on the exporter's own sample texts; returns the special tokens' ids."""
     from edgespec.exporters.gguf_export import QUALITY_TEXT
-    from edgespec.exporters.hf_tokenizer import PARITY_TEXTS
+    from edgespec.runtimes.hf_tokenizer import PARITY_TEXTS
 
     try:
         from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers

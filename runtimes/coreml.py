@@ -9,9 +9,9 @@ overwritten.
 
 Prediction needs Core ML itself (macOS 15+). Everything else is plain Python that runs anywhere:
 reading and checking the package (`read_package`), the plan (`plan_calls`), the vocabulary from the
-bundle's tokenizer files (`runtimes/hf_vocab.HFVocab`), and `TorchReferenceRuntime`, which runs the same plan against
-the torch decoder the exporter converts, so chunking, masks and rollback are checked numerically
-without a Mac.
+bundle's tokenizer files (`runtimes/hf_vocab.HFVocab`); exporters/coreml_reference.py runs the same
+plan against the torch decoder the exporter converts, so chunking, masks and rollback are checked
+numerically without a Mac. A bundle's packages are found by edgespec.loader; this module takes paths.
 
 Memory: the weights (the package's weight file), the KV state (n_layer x n_head_kv x max_context x
 head_dim x fp16, K and V: allocated whole when the state is made), and logits rows.
@@ -31,8 +31,8 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.exporters.coreml_export import FUNCTIONS, causal_mask
 from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, Sizing, TokenSequence
+from edgespec.runtimes.formats import COREML_FUNCTIONS as FUNCTIONS, causal_mask, describe_feature
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
 
 COMPUTE_UNITS = ("cpu_and_gpu", "cpu_only", "cpu_and_ne", "all")
@@ -96,8 +96,6 @@ def _describe_interface(path: Path) -> dict:
     """`describe_package`'s functions / metadata / sizes, from the spec alone: describe_package also loads
     the MIL program with every weight, which a runtime does not need to learn the interface."""
     import coremltools as ct
-
-    from edgespec.exporters.coreml_export import describe_feature
 
     spec = ct.utils.load_spec(str(path))
 
@@ -352,72 +350,3 @@ class CoreMLRuntime(_PlannedRuntime):
         except Exception:  # interpreter shutdown
             pass
 
-
-class TorchReferenceRuntime(_PlannedRuntime):
-    """The very calls CoreMLRuntime makes (plan, masks, rollback), run on the torch decoder the exporter
-    converts, built from the package's source checkpoint. Any OS; fp32 cache by default, so its logits
-    equal transformers' to about 1e-5 and any error in the plan shows."""
-
-    name = "coreml-reference"
-
-    def __init__(self, checkpoint: str | os.PathLike, package: str | os.PathLike,
-                 tokenizer_dir: str | os.PathLike | None = None, *, n_ctx: int | None = None,
-                 cache_dtype: str = "float32"):
-        import torch
-
-        from edgespec.exporters.checkpoint import load_checkpoint
-        from edgespec.exporters.coreml_export import build_decoder
-
-        info = read_package(package)
-        ckpt = load_checkpoint(checkpoint)
-        try:
-            self._decoder = build_decoder(ckpt, info.max_context, cache_dtype=getattr(torch, cache_dtype))
-        finally:
-            ckpt.close()
-        shape = tuple(self._decoder.k_cache.shape)
-        if shape != info.state_shape or self._decoder.lm_head.out_features != info.n_vocab:
-            raise ModelFileError(f"{Path(checkpoint).name} is not the source of {info.path.name}: KV {list(shape)} "
-                                 f"and {self._decoder.lm_head.out_features} logits vs the package's "
-                                 f"{list(info.state_shape)} and {info.n_vocab}")
-        super().__init__(info, HFVocab(tokenizer_dir or checkpoint, info.n_vocab), n_ctx)
-        self._torch = torch
-
-    def _run(self, call: Call, ids: np.ndarray) -> np.ndarray:
-        torch = self._torch
-        with torch.no_grad():  # the float16 mask Core ML gets, widened: same 0 / -inf values
-            return self._decoder(torch.from_numpy(ids[None, :].copy()),
-                                 torch.from_numpy(call.mask().astype(np.float32)))[0].numpy()
-
-
-# --- a bundle's pair ------------------------------------------------------------------------------
-
-def coreml_bundle_paths(bundle_dir: str | os.PathLike) -> tuple[Path, Path | None, Path]:
-    """(target package, draft package or None, tokenizer directory) of an exported bundle."""
-    from edgespec.exporters.bundle import read_manifest
-
-    bundle = Path(bundle_dir).expanduser()
-    entry = (read_manifest(bundle).get("formats") or {}).get("coreml") or {}
-    if not entry.get("target"):
-        raise ModelFileError(f"bundle {bundle} has no Core ML package; export it with --format coreml")
-    target = bundle / entry["target"][0]["file"]
-    draft = bundle / entry["draft"][0]["file"] if entry.get("draft") else None
-    tokenizer = bundle / "tokenizer"
-    for what, p in (("target", target), ("draft", draft), ("tokenizer", tokenizer / "tokenizer.json")):
-        if p is not None and not p.exists():
-            raise ModelFileError(f"bundle {bundle} lists {p.relative_to(bundle)} as its Core ML {what} but it is "
-                                 "missing; the bundle is incomplete, export it again")
-    return target, draft, tokenizer
-
-
-def load_coreml_pair(bundle_dir: str | os.PathLike, options: CoreMLOptions = CoreMLOptions()
-                     ) -> tuple[CoreMLRuntime, CoreMLRuntime | None]:
-    """The bundle's Core ML target and draft (None when it has no draft), for Engine(target, draft)."""
-    check_platform()
-    target_pkg, draft_pkg, tokenizer = coreml_bundle_paths(bundle_dir)
-    target = CoreMLRuntime(target_pkg, tokenizer, options)
-    try:
-        draft = CoreMLRuntime(draft_pkg, tokenizer, options) if draft_pkg is not None else None
-    except BaseException:
-        target.close()
-        raise
-    return target, draft

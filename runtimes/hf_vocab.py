@@ -85,7 +85,7 @@ class HFVocab:
         import gguf
         from tokenizers import Tokenizer
 
-        from edgespec.exporters.hf_tokenizer import HFTokenizer
+        from edgespec.runtimes.hf_tokenizer import HFTokenizer
 
         self.directory, self.n_vocab = Path(directory), n_vocab
         hf = HFTokenizer.load(self.directory)  # refuses what is not byte-level BPE, as the exporters do

@@ -23,8 +23,9 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState,
-                                     SeveralSequences, Sizing, TokenSequence, TreeDecoding, VocabInfo)
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+                                     TokenSequence, TreeDecoding, VocabInfo)
+from edgespec.runtimes.identity import file_identity
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).
 KV_TYPES: dict[str, tuple[int, float]] = {
@@ -273,13 +274,15 @@ class LlamaCppRuntime(TokenSequence):
     name = "llama.cpp"
     capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary})
 
-    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions()):
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
+                 identity: dict | None = None):
         self.path = Path(path)
         self.options = options
         self._model = None
         self._ctx = None
         self._batch = None
         check_gguf_file(self.path)
+        self.identity = identity or file_identity(self.path)  # names the model in compatibility_key
         _init_backend(options.verbose)
         _Log.recent.clear()
         _Log.buffers.clear()
@@ -550,9 +553,7 @@ class LlamaCppRuntime(TokenSequence):
 
     def compatibility_key(self) -> dict:
         """What must match for saved KV to be valid here: model, llama.cpp build, context, KV types."""
-        from edgespec.models.store import model_identity
-
-        return {"model": model_identity(self.path), "runtime": f"llama-cpp-python {ll.__version__}",
+        return {"model": self.identity, "runtime": f"llama-cpp-python {ll.__version__}",
                 "n_ctx": self.n_ctx, "type_k": self.options.type_k, "type_v": self.options.type_v}
 
     def save_state(self) -> bytes:
@@ -670,7 +671,8 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
 
     capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
 
-    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8):
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8,
+                 identity: dict | None = None):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
         if options.flash_attn is None and options.type_v in ("f32", "f16", "bf16"):
@@ -679,7 +681,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
             # other results (up to ~1.3 logits on SmolLM2 in tests) than the in-order cells of a
             # session alone. Without flash attention the order does not matter.
             options = replace(options, flash_attn=False)
-        super().__init__(path, replace(options, n_seq_max=n_seq))
+        super().__init__(path, replace(options, n_seq_max=n_seq), identity=identity)
         self.n_seq = n_seq
         self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]
 

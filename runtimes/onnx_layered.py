@@ -1,6 +1,6 @@
 """ONNX Runtime over a decoder exported as layer graphs (exporters/onnx_layers.py), with managed KV.
 
-The runtime owns the KV cache (edgespec.kvstore.KVStore): each layer's K and V live in fixed-size
+The runtime owns the KV cache (edgespec.runtimes.kvstore.KVStore): each layer's K and V live in fixed-size
 blocks, in RAM or in a file, and a layer graph gets only its own layers' past and
 returns only the new rows. With a `resident_budget_bytes`, the layers that do not fit stay in the
 file tier; while one layer group runs, a background thread copies the next group's blocks into a
@@ -35,10 +35,11 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
-from edgespec.exporters.onnx_layers import FORMAT, MANIFEST, SCHEMA  # torch is imported only to export
-from edgespec.kvstore import DEFAULT_BLOCK_TOKENS, KVGeometry, KVStore
 from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, Sizing, TokenSequence
+from edgespec.runtimes.formats import LAYERS_FORMAT as FORMAT, LAYERS_MANIFEST as MANIFEST, LAYERS_SCHEMA as SCHEMA
+from edgespec.runtimes.formats import sha256_file
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
+from edgespec.runtimes.kvstore import DEFAULT_BLOCK_TOKENS, KVGeometry, KVStore
 from edgespec.runtimes.onnxrt import _need_ort, _ort_reason, _physical_cores
 
 
@@ -79,8 +80,6 @@ def read_manifest(directory: Path) -> dict:
 
 def check_files(directory: Path, manifest: dict, hashes: bool) -> None:
     """Every file the manifest lists must be there with its size (and sha256 when `hashes`)."""
-    from edgespec.exporters.bundle import sha256_file
-
     for name, info in manifest["files"].items():
         path = directory / name
         if not path.is_file():

@@ -2,7 +2,7 @@
 
 The model is a directory as `exporters/onnx_export.py` writes it (model.onnx, model_int8.onnx and/or
 model_q4.onnx with config.json, generation_config.json and the tokenizer files), or one of those
-.onnx files, or the onnx/target and onnx/draft directories of a bundle. The graph's interface is
+.onnx files (a bundle's onnx/target and onnx/draft are found by edgespec.loader). The graph's interface is
 `input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.key/.value` of shape
 (1, n_head_kv, past, head_dim) in; `logits` (1, t, n_vocab) for every position fed and
 `present.{i}.key/.value` = concat(past, new) of shape (1, n_head_kv, past + t, head_dim) out.
@@ -46,7 +46,9 @@ import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
 from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
+from edgespec.runtimes.formats import ONNX_FILES
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods, read_json
+from edgespec.runtimes.identity import file_identity
 
 # Best first: what provider="auto" picks among the ones this onnxruntime build has.
 PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CoreMLExecutionProvider",
@@ -108,8 +110,6 @@ def choose_provider(asked: str, available: Sequence[str]) -> tuple[str, str]:
 
 def model_file(path: str | os.PathLike, quant: str = "auto") -> Path:
     """The .onnx file a path names: the file itself, or the asked quantization in an export directory."""
-    from edgespec.exporters.onnx_export import ONNX_FILES
-
     path = Path(path).expanduser()
     if path.is_file():
         if path.suffix != ".onnx":
@@ -144,15 +144,12 @@ class OnnxRuntime(HFVocabMethods, TokenSequence):
     name = "onnxruntime"
     capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # one sequence: no trees
 
-    def __init__(self, path: str | os.PathLike, options: OnnxOptions = OnnxOptions()):
+    def __init__(self, path: str | os.PathLike, options: OnnxOptions = OnnxOptions(), *,
+                 identity: dict | None = None):
         ort = _need_ort()
         self.options = options
-        path = Path(path).expanduser()
-        if path.is_dir() and (path / "edgespec.json").is_file():  # a bundle: its ONNX target
-            from edgespec.models.store import resolve_onnx
-
-            path = resolve_onnx(path, options.quant)
         self.path = model_file(path, options.quant)
+        self.identity = identity or file_identity(self.path)  # names the model in compatibility_key
         self.directory = self.path.parent
         self._session = None
         self.provider, self.provider_reason = choose_provider(options.provider, ort.get_available_providers())
@@ -308,10 +305,8 @@ class OnnxRuntime(HFVocabMethods, TokenSequence):
 
     def compatibility_key(self) -> dict:
         """What must match for saved KV and cached profiles: model file, onnxruntime build and provider, context."""
-        from edgespec.models.store import model_identity
-
         ort = _need_ort()
-        return {"model": model_identity(self.path), "runtime": f"onnxruntime {ort.__version__} {self.provider}",
+        return {"model": self.identity, "runtime": f"onnxruntime {ort.__version__} {self.provider}",
                 "n_ctx": self.n_ctx, "kv_dtype": np.dtype(self._kv_dtype).name}
 
     def save_state(self) -> bytes:
@@ -365,26 +360,3 @@ def _physical_cores() -> int:
     except ImportError:
         return max(1, os.cpu_count() or 1)
 
-
-def load_pair(target: str | os.PathLike, draft: str | os.PathLike | None,
-              options: OnnxOptions) -> tuple[OnnxRuntime, OnnxRuntime | None]:
-    """The runtimes `Engine.load(..., runtime="onnx")` runs: a bundle's ONNX target and draft (the
-    draft unless one is given), or export directories / .onnx files given as they are. With
-    `kv_resident_bytes` the target is its layer graphs (a bundle's onnx/target-layers) under that KV budget."""
-    from edgespec.models import store
-
-    if draft is None:
-        draft = store.bundle_onnx_draft(target, options.quant)
-    if options.kv_resident_bytes is not None:
-        from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime, LayeredOptions
-
-        target_rt = LayeredOnnxRuntime(store.resolve_onnx_layers(target), LayeredOptions(
-            n_ctx=options.n_ctx, n_threads=options.n_threads, resident_budget_bytes=options.kv_resident_bytes))
-    else:
-        target_rt = OnnxRuntime(store.resolve_onnx(target, options.quant), options)
-    try:
-        draft_rt = OnnxRuntime(store.resolve_onnx(draft, options.quant), options) if draft else None
-    except BaseException:
-        target_rt.close()
-        raise
-    return target_rt, draft_rt

@@ -51,7 +51,7 @@ def bundle(hf_tiny, tmp_path_factory) -> Path:
 def test_bundle_layout_and_manifest(bundle, hf_tiny):
     from edgespec.exporters import EXPORTER_VERSION
     from edgespec.exporters.bundle import read_manifest, verify_bundle
-    from edgespec.exporters.hf_tokenizer import HFTokenizer
+    from edgespec.runtimes.hf_tokenizer import HFTokenizer
 
     m = read_manifest(bundle)
     assert m["schema"] == 1 and m["exporter"]["version"] == EXPORTER_VERSION
@@ -93,10 +93,10 @@ def test_bundle_layout_and_manifest(bundle, hf_tiny):
 
 def test_generate_runs_the_pair_from_the_bundle(bundle):
     from edgespec.engine import Engine
-    from edgespec.models import store
+    from edgespec.models import bundles, store
 
     assert store.resolve(bundle) == bundle / "gguf" / "target.q8_0.gguf"
-    assert store.bundle_draft(bundle) == bundle / "gguf" / "draft.q8_0.gguf"
+    assert bundles.gguf_draft(bundle) == bundle / "gguf" / "draft.q8_0.gguf"
     with Engine.load(str(bundle), n_ctx=256, n_threads=1, n_gpu_layers=0) as engine:
         assert engine.draft_runtime is not None
     common = ["--target", str(bundle), "--raw", "--temperature", "0", "-n", "24", "--json", "--ctx", "256",
@@ -112,7 +112,7 @@ def test_generate_runs_the_pair_from_the_bundle(bundle):
 def test_a_damaged_bundle_is_detected(bundle, tmp_path):
     from edgespec.errors import ModelFileError
     from edgespec.exporters.bundle import verify_bundle
-    from edgespec.models import store
+    from edgespec.models import bundles
 
     copy = tmp_path / "copy"
     shutil.copytree(bundle / "gguf", copy / "gguf")
@@ -125,7 +125,7 @@ def test_a_damaged_bundle_is_detected(bundle, tmp_path):
     assert "gguf/draft.q4_0.gguf: sha256 differs from the manifest" in problems
     assert "gguf/draft.q8_0.gguf: missing" in problems
     with pytest.raises(ModelFileError, match="draft but the file is missing"):
-        store.bundle_draft(copy)
+        bundles.gguf_draft(copy)
 
 
 def test_self_draft_lower_bit(hf_tiny, tmp_path):

@@ -55,7 +55,7 @@ def package(bundle):
 
 
 def reference(bundle, hf_tiny, role="target", **kw):
-    from edgespec.runtimes.coreml import TorchReferenceRuntime
+    from edgespec.exporters.coreml_reference import TorchReferenceRuntime
 
     source = hf_tiny["llama"] if role == "target" else hf_tiny["llama_draft"]
     return TorchReferenceRuntime(source, bundle / "coreml" / f"{role}.mlpackage", bundle / "tokenizer", **kw)
@@ -63,10 +63,11 @@ def reference(bundle, hf_tiny, role="target", **kw):
 
 def llama_cpp(bundle, role="target"):
     from conftest import load_runtime
-    from edgespec.models.store import bundle_draft, resolve
+    from edgespec.models.bundles import gguf_draft
+    from edgespec.models.store import resolve
 
     # f16 KV and CPU flash attention round activations to f16 (~3e-3 here); the reference needs neither
-    return load_runtime(resolve(bundle) if role == "target" else bundle_draft(bundle), n_ctx=MAX_CONTEXT, n_threads=1,
+    return load_runtime(resolve(bundle) if role == "target" else gguf_draft(bundle), n_ctx=MAX_CONTEXT, n_threads=1,
                         type_k="f32", type_v="f32", flash_attn=False)
 
 
@@ -152,7 +153,7 @@ def test_mismatched_package_is_one_line(package, case):
 
 def test_reference_refuses_a_checkpoint_that_is_not_the_source(bundle, hf_tiny):
     from edgespec.errors import ModelFileError
-    from edgespec.runtimes.coreml import TorchReferenceRuntime
+    from edgespec.exporters.coreml_reference import TorchReferenceRuntime
 
     with pytest.raises(ModelFileError, match="qwen2 is not the source of target.mlpackage") as e:
         TorchReferenceRuntime(hf_tiny["qwen2"], bundle / "coreml" / "target.mlpackage", bundle / "tokenizer")
@@ -217,9 +218,11 @@ def test_platform_check():
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="checks the refusal off macOS")
 def test_loading_off_macos_is_refused_in_one_line(bundle, package):
-    from edgespec.runtimes.coreml import CoreMLRuntime, CoreMLUnavailableError, load_coreml_pair
+    from edgespec.loader import LoadOptions, load_pair
+    from edgespec.runtimes.coreml import CoreMLRuntime, CoreMLUnavailableError
 
-    for load in (lambda: CoreMLRuntime(package, bundle / "tokenizer"), lambda: load_coreml_pair(bundle)):
+    for load in (lambda: CoreMLRuntime(package, bundle / "tokenizer"),
+                 lambda: load_pair(bundle, options=LoadOptions(runtime="coreml"))):
         with pytest.raises(CoreMLUnavailableError) as e:
             load()
         assert str(e.value) == "Core ML prediction needs macOS 15+; this is Linux"
@@ -229,7 +232,7 @@ def test_bundle_paths(bundle, tmp_path):
     import json
 
     from edgespec.errors import ModelFileError
-    from edgespec.runtimes.coreml import coreml_bundle_paths
+    from edgespec.models.bundles import coreml as coreml_bundle_paths
 
     assert coreml_bundle_paths(bundle) == (bundle / "coreml" / "target.mlpackage", bundle / "coreml" / "draft.mlpackage",
                                            bundle / "tokenizer")
@@ -459,9 +462,9 @@ def test_coreml_rollback_equals_fresh(bundle, package):
 @needs_coreml
 def test_coreml_draft_mode_is_lossless_through_the_engine(bundle):
     from edgespec.engine import Engine, GenerationConfig
-    from edgespec.runtimes.coreml import load_coreml_pair
+    from edgespec.loader import LoadOptions, load_pair
 
-    target, draft = load_coreml_pair(bundle)
+    target, draft = load_pair(bundle, options=LoadOptions(runtime="coreml"))
     assert draft is not None
     with Engine(target, draft) as engine:
         ids = prompt_ids(target)

@@ -87,7 +87,7 @@ def test_names_parse_and_bad_names_say_the_grammar():
     for bad in ("hf:", "hf:justaname", "hf:o/r:", "hf:o/r:Q4 K"):
         with pytest.raises(ModelFileError, match="hf:OWNER/REPO"):
             hub.parse(bad)
-    from edgespec.server import model_id
+    from edgespec.loader import model_id
 
     assert model_id("hf:o/r:Q8_0") == "hf:o/r:Q8_0"  # what `serve` answers in /v1/models
 

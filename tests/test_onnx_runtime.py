@@ -88,7 +88,7 @@ def test_logits_match_llama_cpp_f32(exported, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_vocabulary_matches_llama_cpp_for_every_id(exported, name):
-    from edgespec.exporters.hf_tokenizer import PARITY_TEXTS
+    from edgespec.runtimes.hf_tokenizer import PARITY_TEXTS
 
     with onnx_runtime(exported[name]["onnx"]) as rt, load_runtime(exported[name]["gguf"], n_ctx=64, n_threads=1) as ref:
         assert rt.vocab == ref.vocab  # n_vocab, type, bos, eos, add_bos and every end-of-generation token
@@ -447,18 +447,19 @@ def test_cli_generate_runs_a_bundle_on_onnx_runtime(tiny_bundle, tmp_path):
 
 def test_bundle_self_draft_is_the_listed_quant(exported, tmp_path):
     """A `--self-draft quant` bundle lists the target's own int4 file as its ONNX draft."""
-    from edgespec.models import store
+    from edgespec.loader import resolve_onnx
+    from edgespec.models import bundles
 
     shutil.copytree(exported["llama"]["onnx"], tmp_path / "onnx" / "target")
     shutil.copy(tmp_path / "onnx" / "target" / "model.onnx", tmp_path / "onnx" / "target" / "model_q4.onnx")
     listed = [{"file": "onnx/target/model.onnx", "quant": "fp32"},
               {"file": "onnx/target/model_q4.onnx", "quant": "int4"}]
     (tmp_path / "edgespec.json").write_text(json.dumps({"formats": {"onnx": {"target": listed, "draft": listed[1:]}}}))
-    assert store.resolve_onnx(tmp_path) == tmp_path / "onnx" / "target" / "model.onnx"
-    assert store.resolve_onnx(tmp_path, "int4") == tmp_path / "onnx" / "target" / "model_q4.onnx"
-    assert store.bundle_onnx_draft(tmp_path) == tmp_path / "onnx" / "target" / "model_q4.onnx"
-    assert store.bundle_onnx_draft(tmp_path, "fp32") == tmp_path / "onnx" / "target" / "model_q4.onnx"
-    assert store.bundle_onnx_draft(exported["llama"]["onnx"]) is None  # not a bundle
+    assert resolve_onnx(tmp_path) == tmp_path / "onnx" / "target" / "model.onnx"
+    assert resolve_onnx(tmp_path, "int4") == tmp_path / "onnx" / "target" / "model_q4.onnx"
+    assert bundles.onnx_draft(tmp_path) == tmp_path / "onnx" / "target" / "model_q4.onnx"
+    assert bundles.onnx_draft(tmp_path, "fp32") == tmp_path / "onnx" / "target" / "model_q4.onnx"
+    assert bundles.onnx_draft(exported["llama"]["onnx"]) is None  # not a bundle
 
 
 def test_cost_profile_is_keyed_by_onnx_build_and_provider(exported, tmp_path, monkeypatch):

@@ -463,14 +463,11 @@ class CloudEdgeClient:
     @classmethod
     def load(cls, draft: str | Path, options: CloudOptions, *, n_ctx: int = 4096, n_threads: int | None = None,
              n_gpu_layers: int | None = 0, verbose: bool = False, notify: Callable[[str], None] | None = None):
-        from edgespec.hardware import resolve_gpu_layers
-        from edgespec.models import store
-        from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
+        from edgespec.loader import LoadOptions, load_runtime
 
-        n_gpu_layers = resolve_gpu_layers(n_gpu_layers)  # None: all layers where a GPU build has a GPU
-
-        runtime = LlamaCppRuntime(store.resolve(draft), LlamaCppOptions(n_ctx=n_ctx, n_threads=n_threads,
-                                                                        n_gpu_layers=n_gpu_layers, verbose=verbose))
+        # n_gpu_layers None: all layers where a GPU build has a GPU
+        runtime = load_runtime(draft, LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                                                  verbose=verbose))
         try:
             return cls(runtime, options, notify)
         except BaseException:

@@ -516,16 +516,13 @@ def create_app(core: VerifierCore):
 def load_core(target: str, config: VerifierConfig, *, n_threads: int | None = None, n_gpu_layers: int | None = None,
               flash_attn: bool | None = None, type_k: str = "f16", type_v: str = "f16",
               verbose: bool = False) -> VerifierCore:
-    from edgespec.hardware import resolve_gpu_layers
-    from edgespec.models import store
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+    from edgespec.loader import LoadOptions, load_runtime
 
-    n_gpu_layers = resolve_gpu_layers(n_gpu_layers)  # None: all layers where a GPU build has a GPU
-
-    options = LlamaCppOptions(n_ctx=config.max_sessions * config.max_context, n_threads=n_threads,
-                              n_gpu_layers=n_gpu_layers, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-                              verbose=verbose)
-    runtime = LlamaCppMultiSeqRuntime(store.resolve(target), options, n_seq=config.max_sessions)
+    # n_gpu_layers None: all layers where a GPU build has a GPU
+    options = LoadOptions(n_ctx=config.max_sessions * config.max_context, n_threads=n_threads,
+                          n_gpu_layers=n_gpu_layers, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+                          verbose=verbose)
+    runtime = load_runtime(target, options, n_seq=config.max_sessions)
     return VerifierCore(runtime, config)
 
 

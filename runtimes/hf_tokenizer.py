@@ -1,4 +1,5 @@
-"""A Hugging Face fast tokenizer (tokenizer.json) as llama.cpp needs it, and as a pair check needs it.
+"""A Hugging Face fast tokenizer (tokenizer.json) as llama.cpp needs it: the ONNX and Core ML runtimes
+read their vocabulary through it (runtimes/hf_vocab.py), the GGUF exporter writes it into a GGUF.
 
 Only byte-level BPE tokenizers are handled (GPT-2 style: SmolLM2, Qwen2.5, Llama 3); SentencePiece
 vocabularies (Llama 2, TinyLlama) are refused with a clear message.
@@ -164,30 +165,3 @@ def _has_byte_level(pre: dict | None) -> bool:
         return any(_has_byte_level(p) for p in pre.get("pretokenizers", []))
     return pre.get("type") == "ByteLevel"
 
-
-def tokenizer_difference(target: HFTokenizer, draft: HFTokenizer) -> str | None:
-    """Where two checkpoints' tokenizers differ in a way that breaks speculation, else None.
-
-    The rule is llama.cpp's (edgespec.vocab): same splitting, size within 128, same text for every id
-    both have from id 5 on. Checked before any conversion so a bad pair fails in seconds.
-    """
-    if target.fingerprint() == draft.fingerprint():
-        return None
-    from edgespec.vocab import CHECK_FROM_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE
-
-    if (target.data.get("pre_tokenizer"), target.data.get("normalizer")) != \
-            (draft.data.get("pre_tokenizer"), draft.data.get("normalizer")):
-        return "their pre-tokenizers or normalizers differ, so the same text splits differently"
-    nt, nd = target.vocab_size(), draft.vocab_size()
-    if abs(nt - nd) > MAX_VOCAB_SIZE_DIFFERENCE:
-        return f"the draft has {nd} tokens, the target {nt} (more than {MAX_VOCAB_SIZE_DIFFERENCE} apart)"
-    tt, _ = target.tokens_and_types(nt)
-    td, _ = draft.tokens_and_types(nd)
-    for i in range(CHECK_FROM_TOKEN_ID, min(nt, nd)):
-        if tt[i] != td[i]:
-            return f"token {i} is {tt[i]!r} in the target but {td[i]!r} in the draft"
-    mt = target.data["model"]["merges"]
-    md = draft.data["model"]["merges"]
-    if mt != md:
-        return "their BPE merges differ, so the same text encodes to different ids"
-    return None

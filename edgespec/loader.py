@@ -1,0 +1,234 @@
+"""Model names in, runtimes out: the one place a target and a draft are found and loaded.
+
+A name is a catalog name, a file path, `hf:...`, `ollama:...`, `lmstudio:...` or an exported bundle
+directory (models/store.py's `SOURCES` say which file each means), or None for the default model
+(`catalog.DEFAULT_MODEL`); a draft may also be `auto` (an installed model whose vocabulary matches
+the target's). The runtime decides which of a bundle's files load:
+
+* llamacpp: GGUF files through llama.cpp; one sequence per runtime (a target with room for token-tree
+  branches when it has a draft), or `n_seq` sequences sharing one context (`serve --parallel`, the
+  cloud verifier's sessions);
+* onnx: a bundle's ONNX target and draft (or ONNX export directories), optionally the target's layer
+  graphs with part of the KV in a file (`kv_resident`);
+* coreml: a bundle's Core ML packages (macOS 15+).
+
+Everything that loads models (Engine.load, the CLI, the server, the slots, the memory planner, the
+cloud client and verifier) calls this module; runtimes themselves only ever see paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from edgespec.errors import EdgespecError, ModelFileError
+from edgespec.models import bundles, catalog, store
+from edgespec.models.catalog import DEFAULT_MODEL
+
+RUNTIMES = ("llamacpp", "onnx", "coreml")
+TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
+
+Name = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    runtime: str = "llamacpp"          # llamacpp | onnx | coreml
+    n_ctx: int = 4096                  # 0 = the model's training context (coreml: fixed at export)
+    n_threads: int | None = None       # None = physical cores
+    n_gpu_layers: int | None = None    # llamacpp; None = all layers where a GPU build has a GPU, else 0
+    flash_attn: bool | None = None     # llamacpp; None = llama.cpp decides
+    type_k: str = "f16"                # llamacpp KV cache types
+    type_v: str = "f16"
+    offload_kqv: bool = True           # llamacpp: the KV cache on the GPU with the offloaded layers
+    verbose: bool = False              # the runtime's own log
+    trees: bool = True                 # llamacpp: a target with a draft gets room for TREE_BRANCHES sequences
+    onnx_quant: str = "auto"           # onnx: auto = fp32, else int8, else int4
+    onnx_provider: str = "auto"        # onnx: see runtimes/onnxrt.py
+    kv_resident: int | str | None = None  # onnx: e.g. "64M": the target's layer graphs, that much KV in memory
+
+    def __post_init__(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise EdgespecError(f"unknown runtime {self.runtime!r}; use llamacpp, onnx or coreml")
+
+    def llamacpp(self):
+        """The llama.cpp options these say (the GPU layers detected when not given)."""
+        from edgespec.hardware import resolve_gpu_layers
+        from edgespec.runtimes.llamacpp import LlamaCppOptions
+
+        return LlamaCppOptions(n_ctx=self.n_ctx, n_threads=self.n_threads,
+                               n_gpu_layers=resolve_gpu_layers(self.n_gpu_layers), flash_attn=self.flash_attn,
+                               type_k=self.type_k, type_v=self.type_v, offload_kqv=self.offload_kqv,
+                               verbose=self.verbose)
+
+
+# --- names ---------------------------------------------------------------------------------------
+
+def resolve(name: Name | None, pull_if_missing: bool = True) -> Path:
+    """The model file a name means for llama.cpp (None: the default model), pulled on first use."""
+    return store.resolve(DEFAULT_MODEL if name is None else name, pull_if_missing)
+
+
+def model_id(target: Name | None) -> str:
+    """The id clients name the model by: its catalog or store name (also for the cached file of a
+    catalog model), or else its file name without .gguf."""
+    if target is None:
+        return DEFAULT_MODEL
+    target = str(target)
+    if target in catalog.names() or store.source_of(target).prefix:  # hf:, ollama:, lmstudio: names as given
+        return target
+    path = Path(target).expanduser().resolve()
+    for entry in catalog.entries():
+        if store.cached_path(entry).resolve() == path:
+            return entry.name
+    return path.name.removesuffix(".gguf")
+
+
+def choose_draft(target: Name | None, draft: Name | None, *, mode: str | None = None,
+                 notify: Callable[[str], None] | None = None) -> Name | None:
+    """The draft to load: `auto` becomes the installed model whose vocabulary matches the target's
+    (said through `notify`); with `mode` "draft" and no draft, a catalog target's catalog pair."""
+    if draft == "auto":
+        from edgespec.models.pairs import auto_draft
+
+        name, path = auto_draft(None if target is None else str(target))
+        if notify:
+            notify(f"draft auto: {name} ({path}): its vocabulary matches the target's")
+        return name
+    if draft is None and mode == "draft" and target in catalog.names():
+        return catalog.get(str(target)).draft
+    return draft
+
+
+def resolve_onnx(name: Name, quant: str = "auto") -> Path:
+    """What the ONNX runtime loads: a bundle's ONNX target file (by `quant`: auto = fp32, else int8,
+    else int4), or an ONNX export directory / .onnx file as is (the runtime picks the quant file)."""
+    path = Path(name).expanduser()
+    if bundles.is_bundle(path):
+        return bundles.onnx(path, "target", quant)
+    if path.exists():
+        return path
+    if str(name) in catalog.names():
+        raise ModelFileError(f"{name} is a catalog GGUF model, which only the llama.cpp runtime runs; "
+                             "the ONNX runtime needs an export: `edgespec export CHECKPOINT --format onnx`")
+    raise ModelFileError(f"ONNX model not found: {name} (give a bundle, an ONNX export directory "
+                         "or an .onnx file)")
+
+
+def resolve_onnx_layers(name: Name) -> Path:
+    """The target's layer graphs (managed KV): a bundle's onnx/target-layers, or a layered export directory."""
+    from edgespec.runtimes.formats import LAYERS_MANIFEST
+
+    path = Path(name).expanduser()
+    if bundles.is_bundle(path):
+        path = bundles.onnx_layers(path)
+    if not (path / LAYERS_MANIFEST).is_file():
+        raise ModelFileError(f"{name} is not a layered ONNX export (no {LAYERS_MANIFEST}); export one with "
+                             "`edgespec export ... --format onnx --onnx-layers`")
+    return path
+
+
+# --- runtimes ------------------------------------------------------------------------------------
+
+def load_pair(target: Name | None = None, draft: Name | None = None, options: LoadOptions = LoadOptions()):
+    """(target runtime, draft runtime or None) for `Engine(target, draft)`. Without a draft, a bundle's
+    own draft in the runtime's format; `auto` as in `choose_draft`."""
+    if options.runtime == "onnx":
+        return _onnx_pair(target, draft, options)
+    if options.runtime == "coreml":
+        return _coreml_pair(target)
+    draft = bundles.gguf_draft(target) if draft is None else choose_draft(target, draft)
+    llama = options.llamacpp()
+    # With trees on, the target gets room for their branches (KV cells are shared).
+    target_options = replace(llama, n_seq_max=TREE_BRANCHES) if options.trees and draft else llama
+    return open_llamacpp_pair(resolve(target), target_options,
+                              resolve(draft) if draft else None, llama)
+
+
+def load_slots(target: Name | None, draft: Name | None, options: LoadOptions, *, n_seq: int):
+    """(target, draft or None) as llama.cpp runtimes holding `n_seq` sequences in one context each."""
+    if options.runtime != "llamacpp":
+        raise EdgespecError("several sequences per context run on llama.cpp; drop --runtime")
+    llama = options.llamacpp()
+    return open_llamacpp_pair(resolve(target), llama, resolve(draft) if draft else None, llama, n_seq=n_seq)
+
+
+def load_runtime(name: Name | None, options: LoadOptions = LoadOptions(), *, n_seq: int | None = None):
+    """One llama.cpp runtime (with `n_seq` sequences in its context when given)."""
+    if options.runtime != "llamacpp":
+        raise EdgespecError(f"this command runs llama.cpp; drop --runtime {options.runtime}")
+    return open_llamacpp(resolve(name), options.llamacpp(), n_seq=n_seq)
+
+
+def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
+    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's)."""
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime
+
+    identity = store.model_identity(path)
+    if n_seq is None:
+        return LlamaCppRuntime(path, llama_options, identity=identity)
+    return LlamaCppMultiSeqRuntime(path, llama_options, n_seq=n_seq, identity=identity)
+
+
+def open_llamacpp_pair(target_path: Path, target_options, draft_path: Path | None, draft_options, *,
+                       n_seq: int | None = None):
+    """(target, draft or None) on resolved files; the target is closed again if the draft fails."""
+    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq)
+    try:
+        draft_rt = open_llamacpp(draft_path, draft_options, n_seq=n_seq) if draft_path is not None else None
+    except BaseException:
+        target_rt.close()
+        raise
+    return target_rt, draft_rt
+
+
+def _onnx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
+    """A bundle's ONNX target and draft (the draft unless one is given), or export directories / .onnx
+    files given as they are. With `kv_resident` the target is its layer graphs under that KV budget."""
+    from edgespec.memory import parse_size
+    from edgespec.runtimes.onnxrt import OnnxOptions, OnnxRuntime
+
+    if target is None:
+        raise EdgespecError("runtime onnx needs a target: a bundle or an ONNX export directory")
+    resident = None if options.kv_resident is None else parse_size(options.kv_resident)
+    onnx = OnnxOptions(n_ctx=options.n_ctx, n_threads=options.n_threads, provider=options.onnx_provider,
+                       quant=options.onnx_quant, verbose=options.verbose, kv_resident_bytes=resident)
+    if draft is None:
+        draft = bundles.onnx_draft(target, onnx.quant)
+
+    def open_onnx(name: Name):
+        path = resolve_onnx(name, onnx.quant)
+        return OnnxRuntime(path, onnx, identity=store.model_identity(path))
+
+    if resident is not None:
+        from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime, LayeredOptions
+
+        target_rt = LayeredOnnxRuntime(resolve_onnx_layers(target), LayeredOptions(
+            n_ctx=onnx.n_ctx, n_threads=onnx.n_threads, resident_budget_bytes=resident))
+    else:
+        target_rt = open_onnx(target)
+    try:
+        draft_rt = open_onnx(draft) if draft else None
+    except BaseException:
+        target_rt.close()
+        raise
+    return target_rt, draft_rt
+
+
+def _coreml_pair(target: Name | None):
+    """A bundle's Core ML target and draft (None when it has none); their context was fixed at export."""
+    from edgespec.runtimes.coreml import CoreMLRuntime, check_platform
+
+    if target is None:
+        raise EdgespecError("runtime coreml needs a target: a bundle exported with --format coreml")
+    check_platform()
+    target_pkg, draft_pkg, tokenizer = bundles.coreml(target)
+    target_rt = CoreMLRuntime(target_pkg, tokenizer)
+    try:
+        draft_rt = CoreMLRuntime(draft_pkg, tokenizer) if draft_pkg is not None else None
+    except BaseException:
+        target_rt.close()
+        raise
+    return target_rt, draft_rt
