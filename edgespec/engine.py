@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -37,6 +37,7 @@ from edgespec.machine.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
 from edgespec.runtimes.base import GrammarVocabulary, Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
+from edgespec.state import SpeculativeState
 from edgespec.stats import GenerationStats
 from edgespec.drafters.suffix import SuffixHistory, vocabulary_key
 from edgespec.structured import Constraint, ConstraintError, Grammar
@@ -100,44 +101,6 @@ class GenerationConfig:
                               min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias))
-
-
-@dataclass
-class SpeculativeState:
-    """Everything one generation carries between rounds, in one place."""
-
-    context: np.ndarray          # prompt then emitted tokens; capacity n_prompt + max_tokens
-    n: int                       # tokens committed (context[:n])
-    n_prompt: int
-    max_tokens: int
-    sampler: Sampler
-    stats: GenerationStats
-    finish_reason: str | None = None
-    t_start: float = field(default_factory=time.perf_counter)
-    top_logprobs: int | None = None                        # config.logprobs
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    forced: int = 0  # a look-ahead view (see `ahead`): the last `forced` committed tokens are the
-    #                  grammar's, fed with this round's draft and not verified yet
-
-    @property
-    def committed(self) -> np.ndarray:
-        return self.context[: self.n]
-
-    @property
-    def grammar(self) -> Grammar | None:
-        return self.sampler.grammar
-
-    def ahead(self, forced: np.ndarray) -> "SpeculativeState":
-        """The state as drafters and the policy see it this round: the grammar's forced tokens
-        appended, as if committed (they are written past `n`, which nothing reads yet)."""
-        if not len(forced):
-            return self
-        self.context[self.n:self.n + len(forced)] = forced
-        return replace(self, n=self.n + len(forced), forced=len(forced))
-
-    @property
-    def remaining(self) -> int:
-        return self.max_tokens - (self.n - self.n_prompt)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from edgespec.drafters import Draft, Drafter, DrafterKind
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
-    from edgespec.engine import SpeculativeState
+    from edgespec.state import SpeculativeState
     from edgespec.machine.profile import CostProfile
 
 MODES = ("auto", "ar") + tuple(spec.name for spec in DRAFTERS)  # ar: plain decoding; the rest name a drafter

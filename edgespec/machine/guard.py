@@ -24,7 +24,7 @@ from edgespec.errors import EdgespecError
 from edgespec.machine.memory import current_rss, format_bytes, peak_rss
 
 if TYPE_CHECKING:
-    from edgespec.engine import SpeculativeState
+    from edgespec.state import SpeculativeState
     from edgespec.policy import Choice
 
 
