@@ -105,6 +105,59 @@ def backend_info() -> dict:
     }
 
 
+# --- ggml's backend devices (CPU, Vulkan, CUDA, Metal, ...) ----------------------------------------
+
+_DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}  # enum ggml_backend_dev_type
+_ggml = None
+
+
+def _ggml_lib():
+    """libggml as llama-cpp-python loaded it, with the prototypes of the device functions used here
+    (llama-cpp-python binds none of them; dlsym on libggml also finds libggml-base's)."""
+    global _ggml
+    if _ggml is None:
+        from llama_cpp._ggml import libggml as lib
+
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args, res in (("ggml_backend_dev_count", [], sz), ("ggml_backend_dev_get", [sz], vp),
+                                ("ggml_backend_dev_name", [vp], ctypes.c_char_p),
+                                ("ggml_backend_dev_description", [vp], ctypes.c_char_p),
+                                ("ggml_backend_dev_type", [vp], ctypes.c_int),
+                                ("ggml_backend_dev_memory", [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
+                                ("ggml_backend_dev_backend_reg", [vp], vp),
+                                ("ggml_backend_reg_name", [vp], ctypes.c_char_p)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        _ggml = lib
+    return _ggml
+
+
+def backend_devices() -> list[dict]:
+    """The devices this llama.cpp build computes on, in ggml's order: {"index", "name" ("Vulkan0",
+    "CUDA0", "CPU"), "description", "type" (cpu, gpu, igpu, accel), "backend" ("Vulkan", "CUDA", ...),
+    "memory_free_bytes", "memory_total_bytes"} — memory as the backend itself reports it
+    (ggml_backend_dev_memory: the driver's budget where it has one, else the device heap)."""
+    _init_backend(_Log.verbose)
+    lib = _ggml_lib()
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        out.append({"index": i, "name": (lib.ggml_backend_dev_name(dev) or b"").decode(),
+                    "description": (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                    "type": _DEVICE_TYPES.get(int(lib.ggml_backend_dev_type(dev)), "unknown"),
+                    "backend": (lib.ggml_backend_reg_name(reg) or b"").decode() if reg else "",
+                    "memory_free_bytes": int(free.value), "memory_total_bytes": int(total.value)})
+    return out
+
+
+def offload_devices() -> list[dict]:
+    """The devices llama.cpp offloads layers to (GPUs, integrated GPUs), not the CPU or its accelerators."""
+    return [d for d in backend_devices() if d["type"] in ("gpu", "igpu")]
+
+
 # --- the runtime -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
