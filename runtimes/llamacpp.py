@@ -318,7 +318,8 @@ class VocabOnly:
 
 
 def _sizing(n_batch: int, n_threads: int, options: LlamaCppOptions) -> Sizing:
-    return Sizing(n_batch=n_batch, n_threads=n_threads, n_outputs_max=options.n_outputs_max, n_seq_max=options.n_seq_max)
+    return Sizing(n_batch=n_batch, n_threads=n_threads, n_outputs_max=options.n_outputs_max, n_seq_max=options.n_seq_max,
+                  n_gpu_layers=options.n_gpu_layers)
 
 
 class LlamaCppRuntime(TokenSequence):

@@ -226,3 +226,26 @@ def test_guard_without_pressure_keeps_the_plan():
     guard = MemoryGuard(current_rss() * 4, max_draft=3)
     assert [guard.check() for _ in range(3)] == [3, 3, 3] and not guard.events
     assert guard.peak_rss_bytes >= current_rss() // 2
+
+
+def test_guard_reads_device_memory_through_llama_cpp(monkeypatch):
+    """Under --gpu-budget the guard asks llama.cpp's device memory query (any backend, no NVML): the
+    drop in the device's free memory since the baseline is this process's use."""
+    from edgespec.machine import guard as guard_module
+    from edgespec.machine.guard import MemoryGuard
+    from edgespec.machine.memory import current_rss
+    from edgespec.runtimes import llamacpp
+
+    free = {"Vulkan0": 1000 * MiB}
+    monkeypatch.setattr(llamacpp, "offload_devices", lambda: [
+        {"name": n, "type": "gpu", "memory_free_bytes": f, "memory_total_bytes": 1024 * MiB} for n, f in free.items()])
+    assert guard_module.device_free_bytes() == {"Vulkan0": 1000 * MiB}
+    guard = MemoryGuard(current_rss() * 4, gpu_budget_bytes=100 * MiB, max_draft=4,
+                        device_baseline=guard_module.device_free_bytes())
+    assert guard.device_memory_source == "llama.cpp"
+    free["Vulkan0"] = 950 * MiB  # 50 MiB of 100 in use: no pressure
+    assert guard.check() == 4 and guard.peak_gpu_bytes == 50 * MiB
+    free["Vulkan0"] = 900 * MiB  # 100 of 100: the draft length halves
+    assert guard.check() == 2 and "GPU 100.0 MiB of 100.0 MiB" in guard.events[-1]
+    monkeypatch.setattr(llamacpp, "offload_devices", lambda: [])
+    assert MemoryGuard(current_rss() * 4, gpu_budget_bytes=MiB).device_memory_source in (None, "nvml")

@@ -345,7 +345,7 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
     """
     from edgespec import loader
     from edgespec.engine import Engine
-    from edgespec.machine.guard import MemoryGuard
+    from edgespec.machine.guard import MemoryGuard, device_free_bytes
     from edgespec.machine.memory import current_rss, parse_size
     from edgespec.runtimes import llamacpp
 
@@ -365,12 +365,14 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
         raise EdgespecError(f"a budget of {format_bytes(budget_b)} leaves no room for the draft model; "
                             "raise --budget or drop --mode draft")
     t_opts, d_opts = _runtime_options(s, n_threads, verbose)
+    device_baseline = device_free_bytes() if hw.kind == "discrete" else None  # before the models take their share
     target_rt, draft_rt = loader.open_llamacpp_pair(target_path, t_opts, draft_path if s.draft else None, d_opts)
     try:
         holder: dict = {}
         guard = MemoryGuard(budget_b, gpu_budget_bytes=the_plan.gpu_budget_bytes if hw.kind == "discrete" else None,
                             max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes,
-                            release_draft=(lambda: release_draft(holder["engine"])) if draft_rt else None)
+                            release_draft=(lambda: release_draft(holder["engine"])) if draft_rt else None,
+                            device_baseline=device_baseline)
         engine = Engine(target_rt, draft_rt, memory_guard=guard)
         holder["engine"] = engine
     except BaseException:
