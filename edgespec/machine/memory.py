@@ -305,6 +305,12 @@ class Calibration:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+# What a GPU backend holds besides llama.cpp's buffers, (host RAM, device memory), where it differs from
+# the CUDA/Metal defaults of `Calibration`. Vulkan: the loader, the driver and llama.cpp's pipelines and
+# staging buffers; measured with Mesa's lavapipe (bench/VULKAN_RESULTS.md), a default for real GPUs.
+GPU_RUNTIME_BYTES: dict[str | None, tuple[int, int]] = {"vulkan": (64 * MiB, 32 * MiB)}
+
+
 def build_key(build: str, system_info: str) -> str:
     """A file-name-safe key for one llama.cpp build: its version and its compiled features."""
     slug = re.sub(r"[^A-Za-z0-9.]+", "_", build).strip("_")
@@ -425,6 +431,7 @@ class Hardware:
     gpu_bytes: int | None = None
     zero_copy_weights: bool = False  # Metal maps mmap'd weights instead of copying them
     name: str = "cpu"
+    backend: str | None = None  # the GPU's llama.cpp backend where known: "vulkan" (its overheads differ from CUDA's)
 
     @classmethod
     def detect(cls, use_gpu: bool | None = None) -> "Hardware":
@@ -434,7 +441,9 @@ class Hardware:
         kind = hw.memory_kind(report, use_gpu)
         ram = report.memory.usable_bytes
         if kind == "discrete":
-            return cls("discrete", ram, hw.device_memory_bytes(report, use_gpu), False, hw.device_key(report, use_gpu))
+            key = hw.device_key(report, use_gpu)
+            return cls("discrete", ram, hw.device_memory_bytes(report, use_gpu), False, key,
+                       backend=key.split("-", 1)[0] if key.startswith("vulkan-") else None)
         if kind == "unified":
             return cls("unified", hw.device_memory_bytes(report, use_gpu), None, report.apple is not None,
                        hw.device_key(report, use_gpu))
@@ -602,8 +611,8 @@ def predict(setup: Setup, cal: Calibration, *, base_bytes: int | None = None) ->
     uses_gpu = hw.kind != "cpu" and (setup.target_settings.n_gpu_layers != 0 or (
         setup.draft_settings is not None and setup.draft is not None and setup.draft_settings.n_gpu_layers != 0))
     if uses_gpu:
-        host["gpu_runtime"] = cal.gpu_host_bytes
-        dev["gpu_runtime"] = cal.gpu_device_bytes
+        host["gpu_runtime"], dev["gpu_runtime"] = GPU_RUNTIME_BYTES.get(
+            hw.backend, (cal.gpu_host_bytes, cal.gpu_device_bytes))
 
     t_host, t_dev, t_transient = _model_terms(setup.target, setup.target_settings, cal, hw, "target")
     phases = {"load_target": sum(host.values()) + _steady_load(t_host) + t_transient}
