@@ -125,7 +125,8 @@ def _ggml_lib():
                                 ("ggml_backend_dev_type", [vp], ctypes.c_int),
                                 ("ggml_backend_dev_memory", [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
                                 ("ggml_backend_dev_backend_reg", [vp], vp),
-                                ("ggml_backend_reg_name", [vp], ctypes.c_char_p)):
+                                ("ggml_backend_reg_name", [vp], ctypes.c_char_p),
+                                ("ggml_backend_dev_by_name", [ctypes.c_char_p], vp)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         _ggml = lib
@@ -153,6 +154,15 @@ def backend_devices() -> list[dict]:
     return out
 
 
+def _device_handle(name: str) -> int:
+    _init_backend(_Log.verbose)
+    handle = _ggml_lib().ggml_backend_dev_by_name(name.encode())
+    if not handle:
+        known = ", ".join(d["name"] for d in backend_devices())
+        raise EdgespecError(f"llama.cpp has no device named {name!r} (this build has: {known})")
+    return handle
+
+
 def offload_devices() -> list[dict]:
     """The devices llama.cpp offloads layers to (GPUs, integrated GPUs), not the CPU or its accelerators."""
     return [d for d in backend_devices() if d["type"] in ("gpu", "igpu")]
@@ -171,6 +181,7 @@ class LlamaCppOptions:
     n_threads: int | None = None        # None = physical cores
     n_threads_batch: int | None = None  # None = same as n_threads
     n_gpu_layers: int = 0      # -1 = all layers
+    devices: tuple[str, ...] | None = None  # offload devices by name ("Vulkan0"); () = none, CPU only; None = all
     flash_attn: bool | None = None      # None = llama.cpp decides (on where a quantized V cache needs it)
     type_k: str = "f16"
     type_v: str = "f16"
@@ -345,6 +356,12 @@ class LlamaCppRuntime(TokenSequence):
         mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
         mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP if options.use_mmap else ll.LLAMA_LOAD_MODE_NONE
         mparams.use_extra_bufts = options.extra_buffers
+        if options.devices is not None:
+            # NULL-terminated; empty keeps every op on the CPU (n_gpu_layers=0 alone still lets llama.cpp
+            # run large-batch matmuls on a GPU and reserve a compute buffer there)
+            handles = [_device_handle(name) for name in options.devices]
+            self._device_list = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)  # kept alive with the model
+            mparams.devices = ctypes.cast(self._device_list, ctypes.c_void_p)
         self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
@@ -643,6 +660,11 @@ class LlamaCppRuntime(TokenSequence):
             logits=self._max_logit_rows * self.n_vocab * 4,
             other=other,
         )
+
+    def device_buffers(self) -> dict[str, int]:
+        """What llama.cpp allocated on offload devices (GPU memory): {"Vulkan0 model": bytes, "Vulkan0 KV": ...}."""
+        names = {d["name"] for d in offload_devices()}
+        return {k: v for k, v in self.buffers.items() if k.split(" ", 1)[0] in names}
 
     def close(self) -> None:
         if self._batch is not None:
