@@ -36,6 +36,10 @@ from edgespec.engine import Engine, GenerationConfig  # noqa: E402
 from lossless import compare_greedy  # noqa: E402
 
 DEVICE = VULKAN[0]
+# Flash attention on the device is off in these tests: with it (llama.cpp's auto choice), llama.cpp
+# 0.3.36's Vulkan backend on Mesa 22.3's lavapipe crashes (SIGSEGV in llama_decode), now and then, on
+# the first multi-token decode after the KV cache was truncated (bench/VULKAN_RESULTS.md has the repro).
+NO_FA = {"flash_attn": False}
 ON_DEVICE = DEVICE["name"]  # "Vulkan0": the prefix of llama.cpp's buffer names on the device
 MiB = 1 << 20
 
@@ -79,8 +83,8 @@ def test_the_device_is_listed_with_its_memory():
 
 
 def test_offload_places_layers_on_the_device(tiny_pair):
-    with load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=-1) as full, \
-            load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=1) as partial, \
+    with load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=-1, **NO_FA) as full, \
+            load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=1, **NO_FA) as partial, \
             load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=0, devices=()) as cpu:
         f, p = _device_buffers(full), _device_buffers(partial)
         assert {"model", "KV", "compute"} <= set(f), full.buffers
@@ -102,8 +106,8 @@ PLACEMENTS = [  # (target's n_gpu_layers, draft's)
 def test_greedy_speculation_on_the_device_equals_the_cpu(tiny_pair, target_gpu, draft_gpu):
     prompts = _prompts(6)
     ref, plain = _cpu_plain(tiny_pair["target"], prompts, 40, n_ctx=512)
-    with Engine(load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=target_gpu),
-                load_runtime(tiny_pair["good_draft"], n_ctx=512, n_gpu_layers=draft_gpu)) as engine:
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=target_gpu, **NO_FA),
+                load_runtime(tiny_pair["good_draft"], n_ctx=512, n_gpu_layers=draft_gpu, **NO_FA)) as engine:
         ar = _check(engine, ref, prompts, plain, GenerationConfig(max_tokens=40, temperature=0, mode="ar"))
         draft = _check(engine, ref, prompts, plain, GenerationConfig(max_tokens=40, temperature=0, mode="draft",
                                                                      draft_max=4))
@@ -121,8 +125,8 @@ def test_token_trees_on_the_device_equal_the_cpu(tiny_pair):
     prompts = _prompts(6, seed=1)
     ref, plain = _cpu_plain(tiny_pair["target"], prompts, 40, n_ctx=512)
     trees = []
-    with Engine(load_runtime(tiny_pair["target"], n_ctx=512, n_seq_max=4, n_gpu_layers=-1),
-                load_runtime(tiny_pair["good_draft"], n_ctx=512, n_gpu_layers=-1)) as engine:
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512, n_seq_max=4, n_gpu_layers=-1, **NO_FA),
+                load_runtime(tiny_pair["good_draft"], n_ctx=512, n_gpu_layers=-1, **NO_FA)) as engine:
         engine._profile = CostProfile({n: 0.01 for n in (1, 2, 4, 8, 16)}, 0.001, 0.0012, 0.00005)
         cfg = GenerationConfig(max_tokens=40, temperature=0, mode="auto")
         for ids, want in zip(prompts, plain):
@@ -140,7 +144,7 @@ def test_parallel_slots_on_the_device_equal_the_cpu(tiny_pair):
 
     prompts = _prompts(4, seed=2)
     ref, plain = _cpu_plain(tiny_pair["target"], prompts, 24, n_ctx=512)
-    options = LlamaCppOptions(n_ctx=1024, n_threads=2, n_gpu_layers=-1)
+    options = LlamaCppOptions(n_ctx=1024, n_threads=2, n_gpu_layers=-1, **NO_FA)
     work = [(i, mode) for i in range(len(prompts)) for mode in ("draft", "lookup")]
     with ParallelEngine(LlamaCppMultiSeqRuntime(tiny_pair["target"], options, n_seq=4),
                         LlamaCppMultiSeqRuntime(tiny_pair["good_draft"], options, n_seq=4), slot_ctx=256) as engine:
@@ -174,8 +178,8 @@ def test_the_profile_measures_the_device_and_auto_uses_it(tiny_pair, tmp_path, m
     key = hardware.device_key(report)
     assert key.startswith("vulkan-") and hardware.memory_kind(report) == "discrete", key
     assert hardware.default_gpu_layers(report) == -1
-    with Engine(load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=-1),
-                load_runtime(tiny_pair["good_draft"], n_ctx=512, n_gpu_layers=-1)) as engine:
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512, n_gpu_layers=-1, **NO_FA),
+                load_runtime(tiny_pair["good_draft"], n_ctx=512, n_gpu_layers=-1, **NO_FA)) as engine:
         profile, measured = load_or_measure(engine.target, engine.draft_runtime)
         assert measured and profile.key["device"] == key and profile.key["target"]["gpu_layers"] == -1
         assert all(t > 0 for t in profile.verify_s.values()) and profile.draft_s > 0
@@ -208,7 +212,7 @@ def test_device_memory_prediction_matches_llamas_device_buffers(smollm2_path):
     facts = model_facts(smollm2_path)
     cal = calibrate()
     for ngl in (-1, facts.n_layer // 2):
-        settings = ModelSettings(n_ctx=1024, n_batch=512, n_outputs_max=5, n_gpu_layers=ngl)
+        settings = ModelSettings(n_ctx=1024, n_batch=512, n_outputs_max=5, n_gpu_layers=ngl, **NO_FA)
         pred = predict(Setup(target=facts, target_settings=settings, hardware=hw, max_draft=4), cal)
         with load_runtime(smollm2_path, **settings.runtime_options()) as rt:
             got = _device_buffers(rt)
@@ -221,24 +225,30 @@ def test_device_memory_prediction_matches_llamas_device_buffers(smollm2_path):
 def test_gpu_budget_forces_partial_offload_and_is_watched_on_the_device(smollm2_path):
     """--gpu-budget below the full model: the plan offloads only some layers, the loaded device buffers
     fit the budget, and the guard reads device memory through llama.cpp (not NVML)."""
-    from edgespec.machine.memory import model_facts
-    from edgespec.machine.planner import apply_budget
+    from edgespec.machine.memory import calibrate, model_facts
+    from edgespec.machine.planner import apply_budget, plan
 
     facts = model_facts(smollm2_path)
-    full_weights = sum(t.nbytes for t in facts.tensors if not t.name.startswith("token_embd"))
-    gpu_budget = int(full_weights * 0.6)
-    engine, plan = apply_budget(smollm2_path, None, budget="4G", gpu_budget=gpu_budget, ctx=1024, max_draft=4,
+    full = plan(smollm2_path, budget=4 << 30, ctx=1024, max_draft=4, hardware=_hardware(), calibration=calibrate())
+    assert full.fits and full.settings.target_gpu_layers == -1  # the whole model fits the device's 2 GiB
+    gpu_budget = int(full.prediction.device_peak_bytes * 0.75)  # a quarter short of full offload
+    engine, the_plan = apply_budget(smollm2_path, None, budget="4G", gpu_budget=gpu_budget, ctx=1024, max_draft=4,
                                 n_threads=2)
     with engine:
-        s = plan.settings
-        assert plan.fits and 0 < s.target_gpu_layers < facts.n_layer + 1, plan.summary_lines()
+        s = the_plan.settings
+        assert the_plan.fits and 0 < s.target_gpu_layers < facts.n_layer + 1, the_plan.summary_lines()
         held = sum(_device_buffers(engine.target).values())
         assert 0 < held <= gpu_budget, (held, gpu_budget)
-        assert held == pytest.approx(plan.prediction.device_peak_bytes - plan.prediction.device.get("gpu_runtime", 0),
+        assert held == pytest.approx(the_plan.prediction.device_peak_bytes - the_plan.prediction.device.get("gpu_runtime", 0),
                                      rel=0.10)
         guard = engine.memory_guard
-        assert guard.device_memory_source == "llama.cpp"
-        result = engine.generate_tokens(_prompts(1)[0], GenerationConfig(max_tokens=4, temperature=0, mode="lookup"))
+        # a driver with a usage query is read directly; lavapipe reports its heap as free (free == total,
+        # unchanging), so there the guard counts llama.cpp's allocations on the device
+        heap_only = DEVICE["memory_free_bytes"] == DEVICE["memory_total_bytes"]
+        assert guard.device_memory_source == ("llama.cpp buffers" if heap_only else "llama.cpp")
+        result = engine.generate_tokens(_prompts(1)[0], GenerationConfig(max_tokens=4, temperature=0, mode="ar"))
         assert result.stats.generated == 4
+        if heap_only:
+            assert guard.peak_gpu_bytes == held
         print(f"\n--gpu-budget {gpu_budget / MiB:.1f} MiB: {s.target_gpu_layers} of {facts.n_layer + 1} layers "
               f"on {ON_DEVICE}, device buffers {held / MiB:.1f} MiB; guard saw {guard.peak_gpu_bytes} bytes")

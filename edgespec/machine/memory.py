@@ -575,6 +575,10 @@ def _model_terms(facts: ModelFacts, s: ModelSettings, cal: Calibration, hw: Hard
         host[f"{prefix}.weights_repacked"] = sum(t.nbytes for t in packed)
     if on_gpu and not zero_copy:
         dev[f"{prefix}.weights"] = sum(t.nbytes for t in on_gpu)
+        if not any(t.name.startswith("output.weight") for t in facts.tensors):
+            # tied embeddings: llama.cpp loads token_embd a second time as the output matrix, on the output
+            # layer's device (the CPU copy stays for the embedding lookup)
+            dev[f"{prefix}.weights"] += sum(t.nbytes for t in facts.tensors if t.name.startswith("token_embd"))
 
     gpu_layers = sum(1 for il in range(facts.n_layer) if facts.placement(
         TensorInfo(f"blk.{il}.x", "F32", 1, 1, 0, 0), ngl) == "gpu")
@@ -590,7 +594,10 @@ def _model_terms(facts: ModelFacts, s: ModelSettings, cal: Calibration, hw: Hard
     if not on_gpu:
         host[f"{prefix}.compute"] = compute
     elif all_on_gpu:
-        dev[f"{prefix}.compute"] = compute
+        # The embedding-wide input rows of the graph stay in the host's compute buffer (the token lookup
+        # runs on the CPU): 3 rows per token without flash attention, 2 with (measured with llama.cpp's
+        # Vulkan backend, bench/VULKAN_RESULTS.md; not yet checked on CUDA or Metal).
+        dev[f"{prefix}.compute"] = compute - 4 * s.n_batch * facts.n_embd * (2 if s.flash_attn is not False else 3)
         host[f"{prefix}.compute"] = 4 * s.n_batch * facts.n_embd * 2  # token embeddings, read on the CPU
     else:
         dev[f"{prefix}.compute"] = compute
