@@ -307,7 +307,8 @@ class Calibration:
 
 # What a GPU backend holds besides llama.cpp's buffers, (host RAM, device memory), where it differs from
 # the CUDA/Metal defaults of `Calibration`. Vulkan: the loader, the driver and llama.cpp's pipelines and
-# staging buffers; measured with Mesa's lavapipe (bench/VULKAN_RESULTS.md), a default for real GPUs.
+# staging buffers. A default, not a measurement: Mesa's lavapipe, the only Vulkan device edgespec has run
+# on, reports no device usage (free == total), so only llama.cpp's own buffers could be checked there.
 GPU_RUNTIME_BYTES: dict[str | None, tuple[int, int]] = {"vulkan": (64 * MiB, 32 * MiB)}
 
 
