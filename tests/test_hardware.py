@@ -645,3 +645,12 @@ def test_vulkan_build_offloads_and_keys_its_device(here, tmp_path):
     [a] = _llama_advice(report)
     assert a.command is None and "offloads to the GPU (Vulkan0" in a.message
     check_schema(advice.doctor_document(report))
+
+
+def test_a_software_vulkan_device_is_called_one(here, tmp_path):
+    lvp = dict(VULKAN_DEVICE, description="llvmpipe (LLVM 15.0.6, 256 bits)")
+    llama = dataclasses.replace(_offload(here, ["Vulkan", "CPU"]), devices=[lvp, CPU_DEVICE])
+    report = _consumer(here, tmp_path, {}, "vulkaninfo_summary_llvmpipe.txt", llama=llama)
+    [a] = _llama_advice(report)
+    assert "software Vulkan device" in a.message and "GGML_VK_VISIBLE_DEVICES" in a.message
+

@@ -144,8 +144,14 @@ def _llama_advice(r: HardwareReport) -> list[Advice]:
     gpu_found = bool(nvidia or consumer or vk_device) or r.apple is not None or r.jetson is not None
     if offload and (nvidia or r.apple is not None or r.jetson is not None or vk_device):
         where = f" ({vk_device['name']}: {vk_device['description']})" if vk_device and not nvidia else ""
+        seen = (r.display_gpus.vulkan or []) if r.display_gpus else []
+        software = bool(vk_device) and not nvidia and any(d.type == "CPU" and d.name == vk_device["description"]
+                                                          for d in seen)
+        caveat = (" It is a software Vulkan device that runs on the CPU (Mesa's lavapipe): good for testing the "
+                  "GPU path, slower than the CPU build; unset GGML_VK_VISIBLE_DEVICES to stop using it."
+                  if software else "")
         out.append(Advice("llama_cpp", f"llama.cpp build offloads to the GPU{where} (backends: "
-                          f"{', '.join(llama.backends)}); edgespec offloads all layers unless told otherwise.",
+                          f"{', '.join(llama.backends)}); edgespec offloads all layers unless told otherwise.{caveat}",
                           settings={"n_gpu_layers": -1}))
     elif not gpu_found and llama.status == "ok":
         built = parse_llama_system_info(llama.system_info or "").get("CPU", {})

@@ -978,6 +978,8 @@ def detect_llama_cpp() -> LlamaCppInfo:
         devices = llamacpp.backend_devices()
     except Exception:  # an older binding without the device API: the rest of the answer stands
         devices = []
+    # llama_print_system_info names only backends with features to print (CPU, CUDA): add the devices' (Vulkan)
+    backends = list(dict.fromkeys([d["backend"] for d in devices if d.get("backend")] + backends))
     return LlamaCppInfo("ok", version, bool(info.get("gpu_offload")), backends, system_info,
                         info.get("build"), "edgespec.runtimes.llamacpp.backend_info "
                         "(llama_supports_gpu_offload, llama_print_system_info, ggml_backend_dev_*)",
