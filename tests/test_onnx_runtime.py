@@ -170,11 +170,11 @@ def test_saved_state_restores_the_same_logits(exported):
 
 
 def test_declared_capabilities_match_the_runtime(exported):
-    from edgespec.runtimes.base import ModelIdentity, SavedState, Sizing
+    from edgespec.runtimes.base import GrammarVocabulary, ModelIdentity, SavedState, Sizing
     from test_runtime_capabilities import declaration_mismatches
 
     with onnx_runtime(exported["llama"]["onnx"], prefill_chunk=16) as rt:
-        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState}
+        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState, GrammarVocabulary}
         assert rt.sizing == Sizing(n_batch=16, n_threads=1)  # one sequence, no cap on logits rows
 
 
@@ -425,7 +425,7 @@ def test_engine_load_errors(tiny_bundle, exported):
     if sys.platform != "darwin":  # Core ML is wired in, and refuses cleanly where it cannot run
         with pytest.raises(EdgespecError, match=r"^Core ML prediction needs macOS 15\+; this is Linux$"):
             Engine.load(tiny_bundle, runtime="coreml")
-    with pytest.raises(EdgespecError, match=r"^unknown runtime 'tvm'; use llamacpp, onnx or coreml$"):
+    with pytest.raises(EdgespecError, match=r"^unknown runtime 'tvm'; use llamacpp, onnx, coreml or mlx$"):
         Engine.load(tiny_bundle, runtime="tvm")
 
 
