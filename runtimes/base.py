@@ -60,6 +60,7 @@ class Sizing:
     n_threads: int | None = None  # CPU threads it computes with; None = no such setting
     n_outputs_max: int = 0       # most logits rows one pass returns (0 = as many as it evaluates)
     n_seq_max: int = 1           # sequences one pass may hold: the branches of a token tree (1 = chains only)
+    n_gpu_layers: int = 0        # layers computed on an offload device (GPU, Vulkan, Metal); -1 = all
 
 
 @runtime_checkable
