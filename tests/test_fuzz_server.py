@@ -3,7 +3,6 @@ from taking the process: a real server on loopback with SmolLM2, a fixed seed, a
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
