@@ -93,7 +93,8 @@ def test_fuzzed_from_its_schema_no_5xx_and_a_json_reason_on_every_refusal(fuzz_s
 
 # --- limits that protect the process ----------------------------------------------------------------
 
-LIMITS = dict(max_tokens_limit=8, max_prompt_chars=2000, max_messages=16, max_stop=4, max_stop_chars=32)
+LIMITS = dict(max_tokens_limit=8, max_prompt_chars=2000, max_messages=16, max_stop=4, max_stop_chars=32,
+              max_tools=4, max_schema_bytes=2000)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,11 @@ def limited(smollm2_path):
                                               prefix_cache_bytes=0, **LIMITS))
         with TestClient(app, headers={"authorization": "Bearer k-1"}) as client:
             yield client
+
+
+def _tool(name: str, properties: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "description": "a tool",
+                                             "parameters": {"type": "object", "properties": properties or {}}}}
 
 
 def _chat(**over) -> dict:
@@ -132,6 +138,12 @@ def _chat(**over) -> dict:
     ("/v1/chat/completions", _chat(stop=["a", "b", "c", "d", "e"]), "stop", "too_many_stops"),
     ("/v1/chat/completions", _chat(stop="z" * 33), "stop", "stop_too_long"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["ok", "q" * 1000]}, "stop", "stop_too_long"),
+    ("/v1/chat/completions", _chat(tools=[_tool(f"f{i}") for i in range(5)]), "tools", "too_many_tools"),
+    ("/v1/chat/completions", _chat(tools=[_tool("f", {f"p{i}": {"type": "string"} for i in range(100)})]), "tools",
+     "schema_too_large"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(100)}}}}), "response_format",
+     "schema_too_large"),
 ])
 def test_a_request_past_a_limit_gets_a_json_reason_naming_the_field(limited, path, body, field, code):
     r = limited.post(path, json=body)

@@ -62,6 +62,8 @@ class ServerConfig:
     max_messages: int = 1024
     max_stop: int = 4                   # stop strings, as OpenAI
     max_stop_chars: int = 256           # each; every one is matched against the text as it grows
+    max_tools: int = 128                # as OpenAI
+    max_schema_bytes: int = 64 << 10    # the tools' JSON together, and a response_format's schema: compiled to a grammar
     prefix_cache_bytes: int = 256 << 20
     reuse_prefix: bool = True
 
@@ -226,6 +228,7 @@ class _Service:
             raise ApiError(400, f"a stop sequence may have at most {config.max_stop_chars} characters", param="stop",
                            code="stop_too_long")
         if isinstance(req, ChatRequest):
+            self._check_schemas(req)
             if len(req.messages) > config.max_messages:
                 raise ApiError(400, f"at most {config.max_messages} messages per request", param="messages",
                                code="too_many_messages")
@@ -239,6 +242,19 @@ class _Service:
         if chars > config.max_prompt_chars:
             raise ApiError(400, f"the prompt ({chars} characters) exceeds this server's limit of "
                                 f"{config.max_prompt_chars}", param=field, code="prompt_too_long")
+
+    def _check_schemas(self, req: "ChatRequest") -> None:
+        """Tools and a response_format schema become a grammar: bound how many, and how large."""
+        config = self.config
+        tools = getattr(req, "tools", None)
+        if isinstance(tools, list) and len(tools) > config.max_tools:
+            raise ApiError(400, f"at most {config.max_tools} tools per request", param="tools", code="too_many_tools")
+        fmt = getattr(req, "response_format", None)
+        for field, value in (("tools", tools), ("response_format", fmt)):
+            size = len(json.dumps(value, separators=(",", ":"))) if value is not None else 0
+            if size > config.max_schema_bytes:
+                raise ApiError(400, f"{field} ({size} bytes of JSON) exceeds this server's limit of "
+                                    f"{config.max_schema_bytes} bytes", param=field, code="schema_too_large")
 
     def generation_config(self, req: _Request, n_prompt: int, max_tokens: int | None,
                           logprobs: int | None) -> GenerationConfig:
@@ -667,7 +683,11 @@ def _limits_into(schemas: dict, config: ServerConfig) -> None:
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
                 props[field]["anyOf"][0]["maximum"] = config.max_tokens_limit
-    schemas["ChatRequest"]["properties"]["messages"]["maxItems"] = config.max_messages
+    chat = schemas["ChatRequest"]["properties"]
+    chat["messages"]["maxItems"] = config.max_messages
+    for option in chat.get("tools", {}).get("anyOf", ()):
+        if option.get("type") == "array":
+            option["maxItems"] = config.max_tools
     for option in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if option.get("type") == "string":
             option["maxLength"] = config.max_prompt_chars
