@@ -221,6 +221,11 @@ class _Service:
     def check_limits(self, req: _Request) -> None:
         """Refuse, before any tokenizing, what would cost more memory or CPU than one request may take."""
         config = self.config
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        asked = getattr(req, field)
+        if asked is not None and asked > config.max_tokens_limit:
+            raise ApiError(400, f"{field} ({asked}) exceeds this server's limit of {config.max_tokens_limit}",
+                           param=field, code="max_tokens_too_large")
         stops = _stops(req)
         if len(stops) > config.max_stop:
             raise ApiError(400, f"at most {config.max_stop} stop sequences", param="stop", code="too_many_stops")
@@ -260,10 +265,6 @@ class _Service:
                           logprobs: int | None) -> GenerationConfig:
         n_ctx = self.engine.target.n_ctx
         room = n_ctx - n_prompt
-        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
-            field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-            raise ApiError(400, f"{field} ({max_tokens}) exceeds this server's limit of "
-                                f"{self.config.max_tokens_limit}", param=field, code="max_tokens_too_large")
         if max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, self.config.max_tokens_limit, room)
         if room < 1 or n_prompt + max_tokens > n_ctx:
