@@ -6,7 +6,8 @@ reports its memory. llama.cpp, ONNX Runtime and Core ML implement it, so the eng
 which one it talks to.
 
 What a runtime offers besides is declared, not probed: its `capabilities` name the optional
-protocols below that it implements (token trees, several sequences, saved state, the model it runs),
+protocols below that it implements (token trees, several sequences, saved state, the model it runs,
+the vocabulary a grammar masks),
 and its `sizing` says how much one pass holds. Callers ask `TreeDecoding in runtime.capabilities`.
 """
 
@@ -161,7 +162,14 @@ class SeveralSequences(Protocol):
         """One sequence seen as a one-sequence `Runtime` with room for n_ctx tokens."""
 
 
-OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences)
+class GrammarVocabulary(Protocol):
+    """Constrained output (edgespec.structured): llguidance's tokenizer over the model's own vocabulary."""
+
+    def grammar_tokenizer(self):
+        """An `llguidance.LLTokenizer` (built on first use, then kept: about 1 s for 150k tokens)."""
+
+
+OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences, GrammarVocabulary)
 
 
 class NotOffered:

@@ -23,7 +23,7 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import (MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
                                      TokenSequence, TreeDecoding, VocabInfo)
 from edgespec.runtimes.identity import file_identity
 
@@ -272,7 +272,7 @@ class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
-    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState})
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
                  identity: dict | None = None):
@@ -333,6 +333,7 @@ class LlamaCppRuntime(TokenSequence):
         self.n_threads = n_threads
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
         self.vocab = self._read_vocab()
+        self._grammar_tokenizer = None
 
         # One batch reused for every decode; plain decodes use sequence 0 only.
         self._batch = ll.llama_batch_init(self.n_batch, 0, options.n_seq_max)
@@ -382,6 +383,20 @@ class LlamaCppRuntime(TokenSequence):
     def chat_template(self) -> str | None:
         raw = ll.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
+
+    def grammar_tokenizer(self):
+        """llguidance's tokenizer over this model's own vocabulary, for constrained output (built on
+        first use, about 1 s for 150k tokens, then kept; it reads the model's vocab, so it lives as
+        long as the model)."""
+        if self._grammar_tokenizer is None:
+            import warnings
+
+            from llguidance.llamacpp import lltokenizer_from_vocab
+
+            with warnings.catch_warnings():  # it calls llama_token_get_attr, deprecated in llama-cpp-python
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab_ptr, n_vocab=self.n_vocab)
+        return self._grammar_tokenizer
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1024)
@@ -654,7 +669,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     inherited. Not thread-safe: one thread owns it.
     """
 
-    capabilities = frozenset({SeveralSequences, ModelIdentity})
+    capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8,
                  identity: dict | None = None):
@@ -806,7 +821,7 @@ class LlamaCppSequence:
     Holds no memory of its own: the KV cells come from the owner's unified pool.
     """
 
-    capabilities = frozenset({ModelIdentity, SavedState})  # no trees: the other sequences are other slots
+    capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # no trees: the other sequences are other slots
 
     def __init__(self, owner: LlamaCppMultiSeqRuntime, seq: int, n_ctx: int):
         self.owner = owner
@@ -856,6 +871,9 @@ class LlamaCppSequence:
 
     def chat_template(self) -> str | None:
         return self.owner.chat_template()
+
+    def grammar_tokenizer(self):
+        return self.owner.grammar_tokenizer()
 
     def metadata(self, key: str) -> str | None:
         return self.owner.metadata(key)
