@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 from typing import Mapping
 
+from edgespec.atomic import atomic_write
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.base import Runtime, SavedState
 
@@ -29,15 +30,10 @@ def save_state(path: str | os.PathLike, runtimes: Mapping[str, Runtime], meta: d
               "runtimes": {name: {"key": rt.compatibility_key(), "tokens": rt.tokens.tolist(),
                                   "bytes": len(blobs[name])} for name, rt in runtimes.items()}}
     raw = json.dumps(header).encode()
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        with tmp.open("wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(raw)) + raw)
-            for name in runtimes:
-                f.write(blobs[name])
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(path) as f:
+        f.write(_MAGIC + struct.pack("<Q", len(raw)) + raw)
+        for name in runtimes:
+            f.write(blobs[name])
     return path
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from edgespec import atomic
 from edgespec.errors import EdgespecError, VocabMismatchError
 from edgespec.exporters import EXPORTER_VERSION
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
@@ -472,7 +473,10 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def _move_into_place(work: Path, out: Path) -> None:
-    if out.exists():  # --force: swap, then drop the old bundle
+    """The finished bundle takes its name; a crash at any point leaves the old bundle or the new one there."""
+    if out.exists() and atomic.exchange(work, out):  # --force: one atomic swap; `work` now holds the old bundle
+        shutil.rmtree(work, ignore_errors=True)
+    elif out.exists():  # no atomic swap here: a moment without a bundle under `out` (the old one beside it)
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
         try:
@@ -483,6 +487,7 @@ def _move_into_place(work: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(work, out)
+    atomic.fsync_dir(out.parent)
 
 
 def _make_parents(parent: Path) -> list[Path]:

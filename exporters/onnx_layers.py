@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec import atomic
 from edgespec.errors import EdgespecError
 from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
 from edgespec.exporters.progress import SILENT, Progress
@@ -215,9 +216,7 @@ def export_onnx_layers(source: str | os.PathLike | Checkpoint, out_dir: str | os
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / f".{MANIFEST}.partial"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / MANIFEST)
+    atomic.write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def check_layers(directory: str | os.PathLike, checkpoint_dir: str | os.PathLike, n_tokens: int = 48,

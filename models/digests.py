@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from edgespec import atomic
 from edgespec.models.cache import models_dir
 
 _CHUNK = 1 << 20
@@ -56,7 +57,5 @@ def check(path: str | os.PathLike, sha256: str, advance=None) -> bool:
         return False
     marker = _marker(sha256)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(_stamp(real)))
-    os.replace(tmp, marker)
+    atomic.write_text(marker, json.dumps(_stamp(real)))
     return True

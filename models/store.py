@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
+from edgespec import atomic
 from edgespec.errors import CatalogError, ModelFileError
 from edgespec.models import bundles, catalog, digests, hub, local_stores
 from edgespec.models.cache import models_dir
@@ -57,7 +58,11 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
         partial = work / entry.file_name
         digest = _assemble(entry, work, partial, progress)
         _verify(entry, partial, digest)
-        os.replace(partial, target)
+        atomic.replace_durably(partial, target)
+    except OSError as exc:
+        if atomic.is_disk_full(exc):
+            raise atomic.disk_full(target, exc) from None
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.atomic import atomic_write
 from edgespec.drafters.base import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, with_siblings
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler
@@ -91,15 +92,10 @@ class SuffixHistory:
         path = Path(path)
         header = json.dumps({"format": FORMAT, "key": self.key, "limit": self.limit,
                              "lengths": list(self._lengths)}).encode()
-        tmp = path.with_name(f".{path.name}.partial")
-        try:
-            with tmp.open("wb") as f:
-                f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
-                for output in self.outputs():
-                    f.write(output.astype("<i4").tobytes())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_write(path) as f:
+            f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
+            for output in self.outputs():
+                f.write(output.astype("<i4").tobytes())
         return path
 
     def load(self, path: str | os.PathLike) -> None:

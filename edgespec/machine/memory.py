@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from edgespec import atomic
 from edgespec.errors import EdgespecError
 
 MiB = 1 << 20
@@ -73,12 +74,7 @@ def cache_dir() -> Path:
 
 def _write_json_atomic(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(path, json.dumps(data))
 
 
 def _page_up(n: int) -> int:

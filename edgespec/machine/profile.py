@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec import atomic
 from edgespec.runtimes.base import ModelIdentity, Runtime
 
 PROFILE_VERSION = 3  # 3: sizes measured round-robin, coarse first
@@ -197,7 +198,5 @@ def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | Non
     profile = measure_profile(target, draft)
     profile.key = key
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(profile.to_dict(), indent=1))
     return profile, True

@@ -8,17 +8,20 @@ the speculative stats of the generation, how long it queued, and what the prefix
 Requests are served one at a time in arrival order from a bounded queue (`edgespec.serve.aio`), or with
 a `ParallelEngine` (`serve --parallel N`) up to N at once, every active request advanced in one
 batched target pass per step (`edgespec.serve.slots`); a full queue answers 429. Each request has a time
-limit, max_tokens and the body size are bounded, a client that disconnects cancels its generation,
-and an API key can be required (it must be when binding to anything but loopback). Errors are OpenAI-style JSON: `{"error": {"message", "type",
-"param", "code"}}`.
+limit; the body size, the prompt's length, max_tokens and the stop strings are bounded (a 400 or 413
+naming the field), a client that disconnects cancels its generation, and an API key can be required (it
+must be when binding to anything but loopback; compared in constant time). Errors are OpenAI-style JSON:
+`{"error": {"message", "type", "param", "code"}}`. `/openapi.json` describes the routes, the request
+bodies and this server's limits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import ipaddress
 import json
-import secrets
 import socket
 import sys
 import time
@@ -28,8 +31,11 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal, Sequence
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.serve.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTimeoutError
@@ -54,6 +60,13 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256       # when a request gives none (capped by the context left)
     max_request_bytes: int = 1 << 20
+    # What one request may ask for, so that none can take the process's memory or CPU for itself:
+    max_prompt_chars: int = 1 << 18     # the prompt's text (all messages together), before tokenizing
+    max_messages: int = 1024
+    max_stop: int = 4                   # stop strings, as OpenAI
+    max_stop_chars: int = 256           # each; every one is matched against the text as it grows
+    max_tools: int = 128                # as OpenAI
+    max_schema_bytes: int = 64 << 10    # the tools' JSON together, and a response_format's schema: compiled to a grammar
     prefix_cache_bytes: int = 256 << 20
     reuse_prefix: bool = True
 
@@ -144,6 +157,10 @@ class ChatRequest(_Request):
     parallel_tool_calls: bool = True
 
 
+def _stops(req: _Request) -> tuple[str, ...]:
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None, headers: dict | None = None):
@@ -155,7 +172,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _validation_error(exc: ValidationError) -> ApiError:
+def _validation_error(exc: "ValidationError | RequestValidationError") -> ApiError:
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
@@ -216,24 +233,63 @@ class _Service:
             raise ApiError(400, "n must be 1: this server generates one choice per request", param="n")
         for name in req.model_extra or {}:
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+        self.check_limits(req)
         return req
+
+    def check_limits(self, req: _Request) -> None:
+        """Refuse, before any tokenizing, what would cost more memory or CPU than one request may take."""
+        config = self.config
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        asked = getattr(req, field)
+        if asked is not None and asked > config.max_tokens_limit:
+            raise ApiError(400, f"{field} ({asked}) exceeds this server's limit of {config.max_tokens_limit}",
+                           param=field, code="max_tokens_too_large")
+        stops = _stops(req)
+        if len(stops) > config.max_stop:
+            raise ApiError(400, f"at most {config.max_stop} stop sequences", param="stop", code="too_many_stops")
+        if any(len(s) > config.max_stop_chars for s in stops):
+            raise ApiError(400, f"a stop sequence may have at most {config.max_stop_chars} characters", param="stop",
+                           code="stop_too_long")
+        if isinstance(req, ChatRequest):
+            self._check_schemas(req)
+            if len(req.messages) > config.max_messages:
+                raise ApiError(400, f"at most {config.max_messages} messages per request", param="messages",
+                               code="too_many_messages")
+            chars = sum((len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ()))
+                        + (len(json.dumps(m.tool_calls)) if m.tool_calls else 0) for m in req.messages)
+            field = "messages"
+        else:
+            prompt = req.prompt
+            chars = len(prompt) if isinstance(prompt, str) else sum(len(p) if isinstance(p, str) else 1 for p in prompt)
+            field = "prompt"
+        if chars > config.max_prompt_chars:
+            raise ApiError(400, f"the prompt ({chars} characters) exceeds this server's limit of "
+                                f"{config.max_prompt_chars}", param=field, code="prompt_too_long")
+
+    def _check_schemas(self, req: "ChatRequest") -> None:
+        """Tools and a response_format schema become a grammar: bound how many, and how large."""
+        config = self.config
+        tools = getattr(req, "tools", None)
+        if isinstance(tools, list) and len(tools) > config.max_tools:
+            raise ApiError(400, f"at most {config.max_tools} tools per request", param="tools", code="too_many_tools")
+        fmt = getattr(req, "response_format", None)
+        for field, value in (("tools", tools), ("response_format", fmt)):
+            size = len(json.dumps(value, separators=(",", ":"))) if value is not None else 0
+            if size > config.max_schema_bytes:
+                raise ApiError(400, f"{field} ({size} bytes of JSON) exceeds this server's limit of "
+                                    f"{config.max_schema_bytes} bytes", param=field, code="schema_too_large")
 
     def generation_config(self, req: _Request, n_prompt: int, max_tokens: int | None,
                           logprobs: int | None, constraint: Constraint | None = None) -> GenerationConfig:
         n_ctx = self.engine.target.n_ctx
         room = n_ctx - n_prompt
-        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
-            raise ApiError(400, f"max_tokens ({max_tokens}) exceeds this server's limit of "
-                                f"{self.config.max_tokens_limit}", param="max_tokens")
         if max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, self.config.max_tokens_limit, room)
         if room < 1 or n_prompt + max_tokens > n_ctx:
             raise ApiError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                 f"context of {n_ctx} tokens; shorten the prompt or ask for fewer tokens",
                            code="context_length_exceeded", param="max_tokens")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if len(stop) > 4:
-            raise ApiError(400, "at most 4 stop sequences", param="stop")
+        stop = _stops(req)
         try:
             bias = tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items())
         except ValueError:
@@ -434,8 +490,10 @@ async def authorized(request: Request) -> _Service:
     keys = service.config.api_keys
     if keys:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        sent = key.strip().encode()
-        if scheme.lower() != "bearer" or not any(secrets.compare_digest(sent, k.encode()) for k in keys):
+        # Digests of equal length, every key compared: the time taken tells nothing of any key.
+        sent = hashlib.sha256(key.strip().encode()).digest()
+        matches = [hmac.compare_digest(sent, hashlib.sha256(k.encode()).digest()) for k in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise ApiError(401, "invalid or missing API key; send the header 'Authorization: Bearer KEY'",
                            "authentication_error", code="invalid_api_key")
     return service
@@ -641,6 +699,10 @@ async def _http_error(request, exc):
                                  else None).body(), status_code=exc.status_code)
 
 
+async def _bad_parameter(request, exc: RequestValidationError):
+    return await _api_error(request, _validation_error(exc))
+
+
 async def _internal(request, exc):
     return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
                         status_code=500)
@@ -660,14 +722,85 @@ def create_app(engine: "Engine | ParallelEngine", config: ServerConfig):
     """The FastAPI app serving `engine` (a `ParallelEngine`: its slots batched). The engine is used only
     from the app's worker thread."""
     app = FastAPI(title="edgespec", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.service = _Service(engine, config)
+    app.openapi = lambda: openapi_schema(app)
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _bad_parameter)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     for method, path, route in ROUTES:
         app.add_api_route(path, route, methods=[method])
     return app
+
+
+# --- the OpenAPI schema -------------------------------------------------------------------------
+
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+_ERRORS = {400: "invalid request (the reason names the field)", 401: "missing or wrong API key",
+           404: "no such model or path", 413: "request body too large", 429: "the queue is full; retry later",
+           503: "the model failed a step; retry", 504: "the request ran past its time limit"}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """The routes' OpenAPI schema with what FastAPI cannot see: the request bodies (parsed by hand, under
+    the body limit) and this server's limits on them, the error responses and the API key."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    config: ServerConfig = app.state.service.config
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="An OpenAI-compatible server with speculative decoding (edgespec).")
+    _, defs = models_json_schema([(m, "validation") for m in BODIES.values()],
+                                 ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {})
+    components.setdefault("schemas", {}).update(defs["$defs"])
+    _limits_into(components["schemas"], config)
+    components["schemas"]["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    if config.api_keys:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, methods in schema["paths"].items():
+        for method, op in methods.items():
+            answers = {"200": {"description": "the answer", "content": {"application/json": {"schema": {}}}}}
+            if path in BODIES:
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{BODIES[path].__name__}"}}}}
+                answers["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                answers |= {str(code): {"description": why, **error} for code, why in _ERRORS.items()}
+            elif path != "/health":
+                answers |= {str(code): {"description": _ERRORS[code], **error} for code in (401, 404)}
+            if config.api_keys and path != "/health":
+                op["security"] = [{"bearer": []}]
+            op["responses"] = answers
+    app.openapi_schema = schema
+    return schema
+
+
+def _limits_into(schemas: dict, config: ServerConfig) -> None:
+    """Write the server's limits (ServerConfig) into the request schemas, as the checks in `_Service` apply them."""
+    stop = {"anyOf": [{"type": "string", "maxLength": config.max_stop_chars},
+                      {"type": "array", "maxItems": config.max_stop,
+                       "items": {"type": "string", "maxLength": config.max_stop_chars}},
+                      {"type": "null"}], "default": None}
+    for name in ("CompletionRequest", "ChatRequest"):
+        schemas[name]["additionalProperties"] = False  # any other field: 400 unsupported_parameter
+        props = schemas[name]["properties"]
+        props["stop"] = {**stop, "title": props["stop"].get("title", "Stop")}
+        props["model"]["enum"] = [config.model_id]  # the one model served (another name: 404)
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                props[field]["anyOf"][0]["maximum"] = config.max_tokens_limit
+    chat = schemas["ChatRequest"]["properties"]
+    chat["messages"]["maxItems"] = config.max_messages
+    for option in chat.get("tools", {}).get("anyOf", ()):
+        if option.get("type") == "array":
+            option["maxItems"] = config.max_tools
+    for option in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if option.get("type") == "string":
+            option["maxLength"] = config.max_prompt_chars
 
 
 def _finish(result: GenerationResult) -> str:
