@@ -36,7 +36,7 @@ class ExactnessError(AssertionError):
 class VerifyPass:
     """One verify pass as the acceptance rule saw it."""
 
-    key: Hashable                 # the generation (an engine's state, a cloud session id)
+    key: object                   # the generation (an engine's state, a cloud session id)
     seq: int                      # the KV sequence the pass ran on (slot, session, 0 alone)
     committed: np.ndarray         # the committed text before the pass: prompt + emitted tokens
     fed: np.ndarray               # the tokens whose rows were read, as the runtime holds them
@@ -148,9 +148,12 @@ class Recorder:
                          seq=getattr(target, "seq", 0), greedy=state.sampler.params.greedy, tree=tree)
 
     def by_key(self) -> dict[Hashable, list[VerifyPass]]:
+        """The passes of each generation, in order (keyed by identity where the key is not hashable;
+        the passes keep their keys alive, so an identity is not reused meanwhile)."""
         out: dict = {}
         for p in self.passes:
-            out.setdefault(p.key, []).append(p)
+            key = p.key if getattr(p.key, "__hash__", None) is not None else id(p.key)
+            out.setdefault(key, []).append(p)
         return out
 
 
@@ -230,8 +233,9 @@ class Fresh:
     TAIL_BATCHES = (2, 4, 8, 16)
     PADS = (7, 16)
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, pool=None):
         self.runtime = runtime
+        self.pool = pool  # a several-sequence runtime (decode_batch): adds shapes that share passes and a pool
 
     def _eval(self, pieces: Sequence[tuple[np.ndarray, int]], row: int = -1) -> np.ndarray:
         rt = self.runtime
@@ -254,26 +258,53 @@ class Fresh:
                   self._eval([(ctx[j:j + 3], len(ctx[j:j + 3])) for j in range(0, n, 3)])]
         others += [self._eval([(ctx[:n - j], 0), (ctx[n - j:], j)]) for j in self.TAIL_BATCHES if j < n]
         others += [self._eval([(np.concatenate([ctx, ctx[-pad:]]), 1 + min(pad, n))], 0) for pad in self.PADS]
+        if self.pool is not None:
+            others += [self._shared(ctx, tail, 3), self._shared(ctx, n - 1, 3), self._shared(ctx, tail, 12)]
         return reference, others
+
+    def _shared(self, ctx: np.ndarray, tail: int, m: int) -> np.ndarray:
+        """The context in sequence 0 of the pool, beside another sequence in the same passes: the head
+        in one pass with it, then each tail token in a pass with m of its rows, all but one of which
+        it rolls back (so the context's later cells fall out of position order, as slots' cells do)."""
+        pool, other = self.pool, np.resize(ctx[::-1], len(ctx) + m * (len(ctx) - tail))
+        pool.seq_clear(0)
+        pool.seq_clear(1)
+        try:
+            row = pool.decode_batch([(1, other[:tail], 0), (0, ctx[:tail], 1)])[1][-1]
+            for j in range(tail, len(ctx)):
+                row = pool.decode_batch([(0, ctx[j:j + 1], 1), (1, other[tail + m * (j - tail):][:m], m)])[0][-1]
+                pool.seq_truncate(1, pool.seq_n_past(1) - (m - 1))
+        finally:
+            pool.seq_clear(0)
+            pool.seq_clear(1)
+        return row.astype(np.float64)
 
 
 @dataclass
 class RowReport:
-    rows: int
-    max_deviation: float        # the recorded rows against their fresh evaluation
-    bound: float                # the largest spread between the fresh shapes, over the same rows
-    within_own_spread: int      # rows within their own prefix's spread
-    worst: tuple = ()           # (pass index, row index, deviation, that row's spread)
+    rows: list[tuple[int, int, float, float]]  # (pass index, row index, |recorded - fresh|, that prefix's spread)
+    bound: float                # the largest spread between the fresh shapes, over all the rows checked
+
+    @property
+    def max_deviation(self) -> float:
+        return max(d for _, _, d, _ in self.rows)
+
+    @property
+    def beyond(self) -> list[tuple[int, int, float, float]]:
+        """Rows further from their fresh evaluation than the bound: computed from another context."""
+        return [r for r in self.rows if r[2] > self.bound]
 
     def __str__(self) -> str:
-        return (f"{self.rows} rows: max |recorded - fresh| = {self.max_deviation:.3g}, measured batch-shape "
-                f"spread = {self.bound:.3g} ({self.within_own_spread} rows within their own prefix's spread)")
+        own = sum(d <= s for _, _, d, s in self.rows)
+        return (f"{len(self.rows)} rows: max |recorded - fresh| = {self.max_deviation:.3g}, measured batch-shape "
+                f"spread = {self.bound:.3g} ({own} rows within their own prefix's spread)")
 
 
 def check_rows(passes: Sequence[VerifyPass], fresh: Fresh, *, which: Callable[[int, VerifyPass], bool] | None = None,
                raise_on_failure: bool = True) -> RowReport:
-    """Each raw row of the passes (those `which` picks) against a fresh one-sequence evaluation of its
-    committed prefix; the bound is the spread between fresh batch shapes over the same rows."""
+    """Each raw row of the passes (those `which` picks; they may span several generations) against a
+    fresh one-sequence evaluation of its committed prefix. The bound is the largest spread between the
+    fresh batch shapes over the same rows: what batched arithmetic alone does, measured here and now."""
     results = []
     for i, p in enumerate(passes):
         if which is not None and not which(i, p):
@@ -285,13 +316,10 @@ def check_rows(passes: Sequence[VerifyPass], fresh: Fresh, *, which: Callable[[i
             results.append((i, r, deviation, spread))
     if not results:
         raise ExactnessError("no rows to check")
-    bound = max(s for *_, s in results)
-    worst = max(results, key=lambda x: x[2] - x[3])
-    report = RowReport(len(results), max(d for _, _, d, _ in results), bound,
-                       sum(d <= s for _, _, d, s in results), worst)
-    if raise_on_failure and report.max_deviation > bound:
-        i, r, d, s = worst
+    report = RowReport(results, max(s for *_, s in results))
+    if raise_on_failure and report.beyond:
+        i, r, d, _ = max(report.beyond, key=lambda x: x[2])
         raise ExactnessError(f"pass {i} row {r}: recorded logits differ from a fresh evaluation of its committed "
-                             f"prefix by {d:.3g}, beyond the measured batch-shape spread {bound:.3g}: "
+                             f"prefix by {d:.3g}, beyond the measured batch-shape spread {report.bound:.3g}: "
                              f"the row was computed from another context ({report})")
     return report

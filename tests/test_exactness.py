@@ -195,3 +195,93 @@ def test_negative_control_rows_off_by_one_fail_the_row_check(tiny, fresh):
     with pytest.raises(ExactnessError, match="beyond the measured batch-shape spread") as caught:
         check_rows(passes, fresh)
     print(f"\nrows off by one: {caught.value}")
+
+
+# --- parallel slots: concurrent requests, one batched pass per step ---------------------------------
+
+def run_slots(tiny, sampling, mode, prompts=PROMPTS, fault=None, max_tokens=24):
+    """Every prompt submitted at once to 4 slots; returns {prompt: (result, passes)} and the counters."""
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+    from edgespec.serve.slots import ParallelEngine, SlotScheduler
+
+    options = LlamaCppOptions(n_ctx=2048, n_threads=1)
+    recorder = Recorder()
+    with ParallelEngine(LlamaCppMultiSeqRuntime(tiny["target"], options, n_seq=4),
+                        LlamaCppMultiSeqRuntime(tiny["good_draft"], options, n_seq=4), slot_ctx=512) as engine:
+        for e in engine.engines:
+            e.recorder = recorder  # every slot's passes run in the scheduler's one worker thread
+        if fault is not None:
+            fault(engine.target)
+        scheduler = SlotScheduler(engine, max_queue=len(prompts))
+        config = dict(max_tokens=max_tokens, mode=mode, draft_max=4, **sampling)
+
+        async def run_all():
+            return await asyncio.gather(*[scheduler.generate(p, GenerationConfig(seed=i, **config))
+                                          for i, p in enumerate(prompts)])
+
+        try:
+            results = asyncio.run(run_all())
+        finally:
+            scheduler.close()
+        counters = dict(scheduler.counters)
+    by_prompt = {tuple(passes[0].committed.tolist()): passes for passes in recorder.by_key().values()}
+    return {tuple(p): (r, by_prompt[tuple(p)]) for p, r in zip(prompts, results)}, counters
+
+
+@pytest.fixture(scope="module")
+def fresh_pool(tiny):
+    """Fresh evaluations computed as the shared pool computes (no flash attention)."""
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    runtime = rt(tiny["target"], flash_attn=False)
+    pool = LlamaCppMultiSeqRuntime(tiny["target"], LlamaCppOptions(n_ctx=1024, n_threads=1), n_seq=2)
+    yield Fresh(runtime, pool)
+    runtime.close()
+    pool.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, CHAIN], ids=["greedy", "chain"])
+@pytest.mark.parametrize("mode", ["draft", "lookup"])
+def test_parallel_slots_emit_the_rules_tokens_on_their_own_rows(tiny, fresh_pool, mode, sampling):
+    runs, counters = run_slots(tiny, sampling, mode)
+    assert counters["batched_steps"] > 0 and counters["max_active"] == 4, counters
+    for prompt, (result, passes) in runs.items():
+        check_decisions(passes, prompt, result.tokens)
+        assert len({p.seq for p in passes}) == 1  # one request, one slot
+    report = check_rows([p for _, passes in runs.values() for p in passes], fresh_pool)
+    print(f"\nslots {mode}: {len(runs)} concurrent requests, every pass exact; {report}")
+
+
+def reads_another_slots_cells(target):
+    """A fault in the shared pool: the first time two slots verify in one pass, the shorter one's cells
+    are tagged with the longer one's sequence too (llama_memory_seq_cp), so the longer slot attends to them."""
+    from edgespec.runtimes.llamacpp import ll
+
+    real, done = target.decode_batch, []
+
+    def decode_batch(work):
+        verifying = sorted((target.seq_n_past(s), s) for s, _, n in work if n)
+        if not done and len(verifying) >= 2:
+            (_, src), (_, dst) = verifying[0], verifying[-1]
+            ll.llama_memory_seq_cp(target._mem, src, dst, 0, -1)
+            done.append((src, dst))
+        return real(work)
+
+    target.decode_batch = decode_batch
+    return done
+
+
+def test_negative_control_a_slot_reading_another_slots_cells_fails_the_row_check(tiny, fresh_pool):
+    faulted = []
+    runs, _ = run_slots(tiny, GREEDY, "draft", prompts=PROMPTS[:4],
+                        fault=lambda target: faulted.append(reads_another_slots_cells(target)))
+    (src, dst), = faulted[0]
+    passes = []
+    for prompt, (result, own) in runs.items():
+        check_decisions(own, prompt, result.tokens)  # each slot's bookkeeping is consistent
+        passes += own
+    with pytest.raises(ExactnessError, match="beyond the measured batch-shape spread") as caught:
+        check_rows(passes, fresh_pool)
+    report = check_rows(passes, fresh_pool, raise_on_failure=False)
+    assert {passes[i].seq for i, *_ in report.beyond} == {dst}  # the slot that read foreign cells, and only it
+    print(f"\nslot {dst} reading slot {src}'s cells: {caught.value}")
