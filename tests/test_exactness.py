@@ -285,3 +285,94 @@ def test_negative_control_a_slot_reading_another_slots_cells_fails_the_row_check
     report = check_rows(passes, fresh_pool, raise_on_failure=False)
     assert {passes[i].seq for i, *_ in report.beyond} == {dst}  # the slot that read foreign cells, and only it
     print(f"\nslot {dst} reading slot {src}'s cells: {caught.value}")
+
+
+# --- the cloud verifier: a real HTTP server on loopback, its core recording ----------------------------
+
+@pytest.fixture(scope="module")
+def audited_verifier(tiny):
+    """`serve --verifier` in this process (uvicorn on 127.0.0.1 in a thread), so its recorder can be read."""
+    import uvicorn
+
+    from cloud_helpers import API_KEY, free_port
+    from edgespec.cloud.verifier import VerifierConfig, create_app, load_core
+
+    core = load_core(str(tiny["target"]), VerifierConfig(api_keys=(API_KEY,), max_sessions=4, max_context=512,
+                                                         rate_per_s=1e5, rate_burst=1e5), n_threads=1)
+    core.recorder = Recorder()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield core, f"http://127.0.0.1:{port}", API_KEY
+    server.should_exit = True
+    thread.join(timeout=10)
+    core.stop()
+    core.runtime.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, CHAIN], ids=["greedy", "chain"])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_the_cloud_verifier_emits_the_rules_tokens_on_its_own_rows(tiny, fresh_pool, audited_verifier, sampling,
+                                                                  pipelined):
+    from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
+
+    core, url, key = audited_verifier
+    gate = Gate(token_threshold=0.0, product_threshold=0.0, max_block=4)
+    passes = []
+    with CloudEdgeClient(rt(tiny["good_draft"]), CloudOptions(url, api_key=key, tune=False, pipelined=pipelined,
+                                                              gate=gate)) as client:
+        for seed, prompt in enumerate(PROMPTS[:3]):
+            core.recorder.passes.clear()
+            result = client.generate_tokens(prompt, GenerationConfig(max_tokens=24, seed=seed, **sampling))
+            assert result.stats.offline_tokens == 0
+            own = list(core.recorder.passes)
+            assert len({p.key for p in own}) == 1  # one session
+            check_decisions(own, prompt, result.tokens)
+            passes += own
+    report = check_rows(passes, fresh_pool)
+    print(f"\ncloud {'pipelined' if pipelined else 'sequential'}: every verified token exact; {report}")
+
+
+# --- ONNX Runtime ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def onnx_pair(hf_tiny, tmp_path_factory):
+    """The tiny llama checkpoint and its perturbed draft as fp32 ONNX bundles (as tests/test_onnx_runtime.py makes them)."""
+    pytest.importorskip("onnxruntime")
+    from edgespec.exporters.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("onnx-exact")
+    return {name: export_onnx(hf_tiny[name], root / name, ["fp32"]).directory for name in ("llama", "llama_draft")}
+
+
+def onnx_rt(path):
+    from edgespec.runtimes.onnxrt import OnnxOptions, OnnxRuntime
+
+    return OnnxRuntime(path, OnnxOptions(n_ctx=512, n_threads=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [GREEDY, CHAIN], ids=["greedy", "chain"])
+@pytest.mark.parametrize("mode", ["draft", "lookup"])
+def test_onnx_runtime_emits_the_rules_tokens_on_its_own_rows(onnx_pair, mode, sampling):
+    reference = onnx_rt(onnx_pair["llama"])
+    passes, drafted = [], 0
+    with Engine(onnx_rt(onnx_pair["llama"]), onnx_rt(onnx_pair["llama_draft"])) as engine:
+        engine.recorder = Recorder()
+        prompt = engine.target.tokenize("the cat sat on the mat. the cat sat on", add_special=True,
+                                        parse_special=False)
+        for seed in range(2):
+            engine.recorder.passes.clear()
+            result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode=mode, draft_max=4, seed=seed,
+                                                                     **sampling))
+            check_decisions(engine.recorder.passes, prompt, result.tokens)
+            passes += engine.recorder.passes
+            drafted += result.stats.drafted
+    report = check_rows(passes, Fresh(reference))
+    reference.close()
+    assert drafted > 0
+    print(f"\nonnx {mode}: every pass exact; {report}")
