@@ -20,8 +20,6 @@ import asyncio
 import json
 import sys
 
-import numpy as np
-
 
 def agreement(model_path, prompts: list[list[int]], *, parallel: int = 4, tokens: int = 32, mode: str = "ar",
               threads: int = 1) -> dict:
@@ -37,7 +35,8 @@ def agreement(model_path, prompts: list[list[int]], *, parallel: int = 4, tokens
         solo = [solo_engine.generate_tokens(p, config).tokens for p in prompts]
 
     recorder = Recorder()
-    pool = LlamaCppMultiSeqRuntime(model_path, LlamaCppOptions(n_ctx=parallel * 1024, n_threads=threads), n_seq=parallel)
+    pool = LlamaCppMultiSeqRuntime(model_path, LlamaCppOptions(n_ctx=parallel * 1024, n_threads=threads),
+                                   n_seq=parallel)
     with ParallelEngine(pool, slot_ctx=1024) as engine:
         for e in engine.engines:
             e.recorder = recorder

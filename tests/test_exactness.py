@@ -357,11 +357,40 @@ def test_the_cloud_verifier_emits_the_rules_tokens_on_its_own_rows(tiny, fresh_p
     print(f"\ncloud {'pipelined' if pipelined else 'sequential'}: every verified token exact; {report}")
 
 
+def test_concurrent_cloud_sessions_stay_exact_on_their_own_rows(tiny, fresh_pool, audited_verifier):
+    """Four clients at once: the verifier batches their sessions' passes into shared llama_decode calls."""
+    from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
+
+    core, url, key = audited_verifier
+    core.recorder.passes.clear()
+    shared_before = core.counters["multi_session_calls"]
+    results = {}
+
+    def run(i):
+        options = CloudOptions(url, api_key=key, tune=False, pipelined=False,
+                               gate=Gate(token_threshold=0.0, product_threshold=0.0, max_block=4))
+        with CloudEdgeClient(rt(tiny["good_draft"]), options) as client:
+            results[i] = client.generate_tokens(PROMPTS[i], GenerationConfig(max_tokens=24, seed=i, **GREEDY))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    by_prompt = {tuple(ps[0].committed.tolist()): ps for ps in core.recorder.by_key().values()}
+    for i, result in results.items():
+        assert result.stats.offline_tokens == 0
+        check_decisions(by_prompt[tuple(PROMPTS[i])], PROMPTS[i], result.tokens)
+    report = check_rows(list(core.recorder.passes), fresh_pool)
+    print(f"\ncloud, 4 concurrent sessions ({core.counters['multi_session_calls'] - shared_before} shared calls): "
+          f"every verified token exact; {report}")
+
+
 # --- ONNX Runtime ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def onnx_pair(hf_tiny, tmp_path_factory):
-    """The tiny llama checkpoint and its perturbed draft as fp32 ONNX bundles (as tests/test_onnx_runtime.py makes them)."""
+    """The tiny llama checkpoint and its perturbed draft as fp32 ONNX bundles (as tests/test_onnx_runtime.py does)."""
     pytest.importorskip("onnxruntime")
     from edgespec.exporters.onnx_export import export_onnx
 
