@@ -42,7 +42,7 @@ FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash atte
 DRAFT = typer.Option(None, "--draft", "-d", help="draft model with the target's vocabulary (named like --target), "
                      "or auto: an installed model whose vocabulary matches")
 CTX = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)")
-RUNTIME = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run")
+RUNTIME = typer.Option("llamacpp", "--runtime", help="llamacpp (GGUF) | onnx (ONNX Runtime) | coreml (macOS 15+): which of a bundle's formats to run | mlx (mlx-lm: a Hugging Face checkpoint directory, an MLX repo or hf:OWNER/REPO)")
 CACHE_TYPE_V = typer.Option("f16", help="V cache type (quantized types need flash attention)")
 CACHE_TYPE_K = typer.Option("f16", help="K cache type: f32, f16, q8_0, q5_1, q5_0, q4_1, q4_0")
 BUDGET = typer.Option(None, "--budget", help="memory budget (RAM, or the unified pool), e.g. 2G: plan the settings to fit it and never exceed it")
@@ -76,7 +76,8 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
 
-    draft = auto_draft_option(target, draft, mode)
+    if runtime != "mlx":  # draft auto picks among installed GGUF models; mlx reports it (edgespec.loader)
+        draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
         raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
     if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):

@@ -10,7 +10,9 @@ the target's). The runtime decides which of a bundle's files load:
   cloud verifier's sessions);
 * onnx: a bundle's ONNX target and draft (or ONNX export directories), optionally the target's layer
   graphs with part of the KV in a file (`kv_resident`);
-* coreml: a bundle's Core ML packages (macOS 15+).
+* coreml: a bundle's Core ML packages (macOS 15+);
+* mlx: a Hugging Face checkpoint directory or an MLX repo (`hf:OWNER/REPO` fetched whole into the
+  Hugging Face cache), run by mlx-lm (Metal on a Mac, the CPU backend elsewhere).
 
 Everything that loads models (Engine.load, the CLI, the server, the slots, the memory planner, the
 cloud client and verifier) calls this module; runtimes themselves only ever see paths.
@@ -27,7 +29,7 @@ from edgespec.errors import EdgespecError, ModelFileError
 from edgespec.models import bundles, catalog, store
 from edgespec.models.catalog import DEFAULT_MODEL
 
-RUNTIMES = ("llamacpp", "onnx", "coreml")
+RUNTIMES = ("llamacpp", "onnx", "coreml", "mlx")
 TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
 
 Name = str | os.PathLike
@@ -35,7 +37,7 @@ Name = str | os.PathLike
 
 @dataclass(frozen=True)
 class LoadOptions:
-    runtime: str = "llamacpp"          # llamacpp | onnx | coreml
+    runtime: str = "llamacpp"          # llamacpp | onnx | coreml | mlx
     n_ctx: int = 4096                  # 0 = the model's training context (coreml: fixed at export)
     n_threads: int | None = None       # None = physical cores
     n_gpu_layers: int | None = None    # llamacpp; None = all layers where a GPU build has a GPU, else 0
@@ -48,10 +50,11 @@ class LoadOptions:
     onnx_quant: str = "auto"           # onnx: auto = fp32, else int8, else int4
     onnx_provider: str = "auto"        # onnx: see runtimes/onnxrt.py
     kv_resident: int | str | None = None  # onnx: e.g. "64M": the target's layer graphs, that much KV in memory
+    n_batch: int = 512                 # mlx: most tokens one pass evaluates
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
-            raise EdgespecError(f"unknown runtime {self.runtime!r}; use llamacpp, onnx or coreml")
+            raise EdgespecError(f"unknown runtime {self.runtime!r}; use llamacpp, onnx, coreml or mlx")
 
     def llamacpp(self):
         """The llama.cpp options these say (the GPU layers detected when not given)."""
@@ -139,6 +142,8 @@ def load_pair(target: Name | None = None, draft: Name | None = None, options: Lo
         return _onnx_pair(target, draft, options)
     if options.runtime == "coreml":
         return _coreml_pair(target)
+    if options.runtime == "mlx":
+        return _mlx_pair(target, draft, options)
     draft = bundles.gguf_draft(target) if draft is None else choose_draft(target, draft)
     llama = options.llamacpp()
     # With trees on, the target gets room for their branches (KV cells are shared).
@@ -228,6 +233,45 @@ def _coreml_pair(target: Name | None):
     target_rt = CoreMLRuntime(target_pkg, tokenizer)
     try:
         draft_rt = CoreMLRuntime(draft_pkg, tokenizer) if draft_pkg is not None else None
+    except BaseException:
+        target_rt.close()
+        raise
+    return target_rt, draft_rt
+
+
+def resolve_mlx(name: Name) -> Path:
+    """What the MLX runtime loads: a checkpoint or MLX repo directory as is, or `hf:OWNER/REPO[@REV]`
+    fetched whole (config, safetensors, tokenizer) into the Hugging Face cache."""
+    from edgespec.models import hub
+
+    text = str(name)
+    if hub.is_hub_name(text):
+        return hub.snapshot(text)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if text in catalog.names():
+        raise ModelFileError(f"{name} is a catalog GGUF model, which the llama.cpp runtime runs; the MLX runtime "
+                             "needs a Hugging Face checkpoint directory or an MLX repo (hf:mlx-community/...)")
+    raise ModelFileError(f"MLX model not found: {name} (give a Hugging Face checkpoint directory, an MLX repo "
+                         "directory or hf:OWNER/REPO)")
+
+
+def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
+    """A target and an optional draft, each a checkpoint directory or MLX repo, on mlx-lm."""
+    from edgespec.runtimes.mlx import MlxOptions, MlxRuntime, need_mlx
+
+    need_mlx()  # before any download: one line saying how to install it
+    if target is None:
+        raise EdgespecError("runtime mlx needs a target: a Hugging Face checkpoint directory, an MLX repo "
+                            "directory or hf:OWNER/REPO")
+    if draft == "auto":  # auto_draft compares installed GGUF vocabularies
+        raise EdgespecError("--draft auto picks among installed GGUF models; with --runtime mlx give the draft's "
+                            "checkpoint directory or hf:OWNER/REPO")
+    mlx = MlxOptions(n_ctx=options.n_ctx, n_batch=options.n_batch)
+    target_rt = MlxRuntime(resolve_mlx(target), mlx)
+    try:
+        draft_rt = MlxRuntime(resolve_mlx(draft), mlx) if draft else None
     except BaseException:
         target_rt.close()
         raise

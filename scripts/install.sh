@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install edgespec into ./.venv from nothing: a CPU build of llama-cpp-python, then edgespec itself.
 #   bash scripts/install.sh            # runtime only
-#   bash scripts/install.sh --test     # plus the test dependencies, the ray extra (Ray Serve), and the JS kit's
+#   bash scripts/install.sh --test     # plus the test dependencies, the ray extra (Ray Serve), the mlx extra
+#                                      #   (MLX's CPU backend on Linux), and the JS kit's
 #                                      #   (kits/js: npm ci from the registry, tsc; Debian's chromium for its browser test)
 #   bash scripts/install.sh --bench    # plus the benchmark dependencies (matplotlib)
 #   bash scripts/install.sh --export   # plus `edgespec export` (torch 2.13.0 CPU, transformers, optimum-onnx,
@@ -29,7 +30,7 @@ extras=""
 with_test=""
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="${extras:+$extras,}test,ray"; with_test=1 ;;  # the Ray Serve tests run on a real local Ray
+    --test) extras="${extras:+$extras,}test,ray,mlx"; with_test=1 ;;  # Ray Serve tests on a real local Ray; MLX on its CPU backend
     --bench) extras="${extras:+$extras,}bench" ;;
     --export) extras="${extras:+$extras,}export" ;;
     *) echo "error: unknown option $arg (use --test, --bench and/or --export)" >&2; exit 2 ;;

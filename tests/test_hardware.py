@@ -405,6 +405,35 @@ def test_advice_metal(here):
     assert 'CMAKE_ARGS="-DGGML_METAL=on" pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36' in cmds
 
 
+def _mlx(status="ok", metal=True, lm="0.29.1") -> hardware.MlxInfo:
+    if status == "not installed":
+        return hardware.MlxInfo(status, None, None, None, None, "importlib.metadata", "mlx is not installed")
+    return hardware.MlxInfo(status, "0.32.4", lm, metal, "gpu" if metal else "cpu", "mlx.core", None)
+
+
+def test_advice_mlx_on_apple_silicon(here):
+    def mlx_advice(report):
+        return [a for a in advice.advise(report) if a.topic == "mlx"]
+
+    [missing] = mlx_advice(_with(_m2(here, True), mlx=_mlx("not installed")))
+    assert missing.command == "pip install 'edgespec[mlx]'" and "--runtime mlx" in missing.message
+    assert "not verified" in missing.message  # which is faster is said to be unmeasured, not guessed
+    [ready] = mlx_advice(_with(_m2(here, True), mlx=_mlx()))
+    assert "sees Metal" in ready.message and "--runtime mlx" in ready.command and "not verified" in ready.message
+    [no_metal] = mlx_advice(_with(_m2(here, True), mlx=_mlx(metal=False)))
+    assert "no Metal device" in no_metal.message
+    [no_lm] = mlx_advice(_with(_m2(here, True), mlx=_mlx(lm=None)))
+    assert "mlx-lm" in no_lm.message
+
+
+def test_mlx_on_linux_is_its_cpu_backend(here):
+    [cpu] = [a for a in advice.advise(_with(_h200(here, True), mlx=_mlx(metal=False))) if a.topic == "mlx"]
+    assert "CPU backend only" in cpu.message and cpu.command is None
+    assert not [a for a in advice.advise(_with(_h200(here, True), mlx=_mlx("not installed"))) if a.topic == "mlx"]
+    if here.mlx.status == "ok" and here.apple is None:  # this machine, when the mlx extra is installed
+        assert here.mlx.metal is False and here.mlx.device == "cpu"
+
+
 def test_advice_jetson(here):
     found = [a for a in advice.advise(_orin(here, False)) if a.topic in ("llama_cpp", "onnxruntime")]
     text = " ".join(a.message + " " + (a.command or "") for a in found)
@@ -447,7 +476,7 @@ def test_model_advice_follows_memory(here):
 # --- doctor --json schema ------------------------------------------------------------------------
 
 TOP = {"schema_version": int, "platform": dict, "cpu": dict, "memory": dict, "gpus": dict, "apple": (dict, type(None)),
-       "jetson": (dict, type(None)), "llama_cpp": dict, "onnxruntime": dict, "coreml": dict, "device_key": str,
+       "jetson": (dict, type(None)), "llama_cpp": dict, "onnxruntime": dict, "coreml": dict, "mlx": dict, "device_key": str,
        "memory_kind": str, "gpu_layers": int, "device_memory_bytes": (int, type(None)), "advice": list}
 SECTIONS = {
     "cpu": {"arch", "name", "logical_cores", "physical_cores", "usable_cores", "simd", "simd_level", "sources",
@@ -457,6 +486,7 @@ SECTIONS = {
     "llama_cpp": {"status", "version", "gpu_offload", "backends", "system_info", "build", "source", "reason"},
     "onnxruntime": {"status", "package", "version", "providers", "source", "reason"},
     "coreml": {"can_run", "coremltools", "reason", "source"},
+    "mlx": {"status", "version", "mlx_lm", "metal", "device", "source", "reason"},
     "platform": {"system", "release", "machine", "python", "source"},
 }
 GPU_KEYS = {"index", "name", "memory_total_bytes", "memory_free_bytes", "driver_version", "cuda_driver_version",

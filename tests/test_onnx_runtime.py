@@ -425,7 +425,7 @@ def test_engine_load_errors(tiny_bundle, exported):
     if sys.platform != "darwin":  # Core ML is wired in, and refuses cleanly where it cannot run
         with pytest.raises(EdgespecError, match=r"^Core ML prediction needs macOS 15\+; this is Linux$"):
             Engine.load(tiny_bundle, runtime="coreml")
-    with pytest.raises(EdgespecError, match=r"^unknown runtime 'tvm'; use llamacpp, onnx or coreml$"):
+    with pytest.raises(EdgespecError, match=r"^unknown runtime 'tvm'; use llamacpp, onnx, coreml or mlx$"):
         Engine.load(tiny_bundle, runtime="tvm")
 
 

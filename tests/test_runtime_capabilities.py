@@ -56,11 +56,12 @@ def runtime_classes() -> list[type]:
     from edgespec.exporters.coreml_reference import TorchReferenceRuntime
     from edgespec.runtimes.coreml import CoreMLRuntime
     from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
+    from edgespec.runtimes.mlx import MlxRuntime
     from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime
     from edgespec.runtimes.onnxrt import OnnxRuntime
 
     return [LlamaCppRuntime, LlamaCppMultiSeqRuntime, LlamaCppSequence, OnnxRuntime, LayeredOnnxRuntime,
-            CoreMLRuntime, TorchReferenceRuntime]
+            CoreMLRuntime, TorchReferenceRuntime, MlxRuntime]
 
 
 def test_the_protocols_name_their_members():

@@ -26,7 +26,7 @@ GIB = 1024**3
 
 @dataclass
 class Advice:
-    topic: str  # "llama_cpp", "onnxruntime", "coreml", "nvml", "models"
+    topic: str  # "llama_cpp", "onnxruntime", "coreml", "mlx", "nvml", "models"
     message: str
     command: str | None = None
     settings: dict[str, Any] | None = None
@@ -141,6 +141,43 @@ def _onnx_advice(r: HardwareReport) -> list[Advice]:
     return []
 
 
+MLX_INSTALL = "pip install 'edgespec[mlx]'"
+MLX_EXAMPLE = 'edgespec generate "..." --runtime mlx --target hf:mlx-community/Qwen2.5-Coder-1.5B-Instruct-4bit'
+
+
+def _mlx_advice(r: HardwareReport) -> list[Advice]:
+    """On Apple Silicon: MLX on Metal, or llama.cpp's Metal build; elsewhere: MLX's CPU backend if installed."""
+    mlx = r.mlx
+    unverified = ("doctor does not time models: whether MLX or llama.cpp's Metal build is faster for a given "
+                  "model is not verified here; run the same prompt with --runtime mlx and with the Metal build "
+                  "and compare their tok/s (bench/mlx_bench.py does it interleaved)")
+    if r.apple is None:
+        if mlx.status == "ok":
+            return [Advice("mlx", f"MLX {mlx.version} is installed with its CPU backend only (Metal needs an Apple "
+                           "Silicon Mac): --runtime mlx runs Hugging Face checkpoints and MLX repos here on the CPU. "
+                           "On a CPU the llama.cpp runtime (the default) is the one edgespec tunes for speed.")]
+        if mlx.status == "unknown" and mlx.version:
+            return [Advice("mlx", f"MLX {mlx.version} is installed but {mlx.reason}.")]
+        return []
+    if mlx.status == "not installed":
+        return [Advice("mlx", f"{r.apple.chip or 'Apple Silicon'}: MLX runs models on the GPU through Metal; install "
+                       "it and run a Hugging Face checkpoint or an MLX repo with --runtime mlx. "
+                       "llama.cpp's Metal build (above) runs GGUF files on the same GPU. " + unverified + ".",
+                       MLX_INSTALL)]
+    if mlx.status != "ok":
+        return [Advice("mlx", f"MLX {mlx.version or ''} could not be asked about Metal: {mlx.reason}; reinstall it.",
+                       f"pip install --force-reinstall mlx && {MLX_INSTALL}")]
+    if not mlx.metal:
+        return [Advice("mlx", f"MLX {mlx.version} reports no Metal device (mx.metal.is_available() is False), so it "
+                       "would run on the CPU; reinstall the macOS mlx wheel (it needs macOS 14+ on Apple Silicon).",
+                       "pip install --force-reinstall mlx")]
+    if not mlx.mlx_lm:
+        return [Advice("mlx", f"MLX {mlx.version} sees Metal, but mlx-lm (which loads the models) is missing.",
+                       MLX_INSTALL)]
+    return [Advice("mlx", f"MLX {mlx.version} sees Metal (default device {mlx.device}): run with --runtime mlx on "
+                   "the GPU. " + unverified + ".", MLX_EXAMPLE)]
+
+
 def _other_advice(r: HardwareReport) -> list[Advice]:
     out = []
     if r.gpus.status == "unavailable" and r.gpus.devices:
@@ -244,7 +281,8 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
 
 
 def advise(report: HardwareReport) -> list[Advice]:
-    return _llama_advice(report) + _onnx_advice(report) + _other_advice(report) + _models_advice(report)
+    return (_llama_advice(report) + _onnx_advice(report) + _mlx_advice(report) + _other_advice(report)
+            + _models_advice(report))
 
 
 def doctor_document(report: HardwareReport) -> dict[str, Any]:
@@ -313,6 +351,10 @@ def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
         f"providers: {', '.join(ort['providers']) or '-'}", ort["source"])
     row("Core ML", ("can run" if doc["coreml"]["can_run"] else "cannot run") + f": {doc['coreml']['reason']}",
         doc["coreml"]["source"])
+    mlx = doc["mlx"]
+    backend = {True: "Metal and CPU", False: "CPU backend only", None: "unknown"}[mlx["metal"]]
+    row("MLX", (f"mlx {mlx['version']}, mlx-lm {mlx['mlx_lm'] or 'not installed'}; {backend}"
+                if mlx["status"] == "ok" else mlx["reason"]), mlx["source"])
     row("device key", doc["device_key"], "edgespec.machine.hardware.device_key")
     row("memory kind / GPU layers", f"{doc['memory_kind']} / {doc['gpu_layers']}", "edgespec.machine.hardware")
     console.print(table)

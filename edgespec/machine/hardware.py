@@ -161,6 +161,17 @@ class CoreMLInfo:
 
 
 @dataclass
+class MlxInfo:
+    status: Literal["ok", "unknown", "not installed"]
+    version: str | None  # mlx
+    mlx_lm: str | None  # mlx-lm, which the MLX runtime loads models with
+    metal: bool | None  # mx.metal.is_available(): MLX can use the Apple GPU
+    device: str | None  # MLX's default device: "gpu" (Metal) or "cpu" (the CPU backend)
+    source: str
+    reason: str | None = None
+
+
+@dataclass
 class HardwareReport:
     platform: PlatformInfo
     cpu: CPUInfo
@@ -171,6 +182,7 @@ class HardwareReport:
     llama_cpp: LlamaCppInfo
     onnxruntime: OnnxRuntimeInfo
     coreml: CoreMLInfo
+    mlx: MlxInfo
 
     def to_dict(self) -> dict[str, Any]:
         """The machine as plain JSON types, plus what edgespec derives from it (key, memory kind, GPU layers)."""
@@ -889,12 +901,30 @@ def detect_coreml(system: str | None = None, macos_version: str | None = None) -
                       "platform.mac_ver(), importlib.metadata")
 
 
+def detect_mlx() -> MlxInfo:
+    """MLX and mlx-lm as installed, and whether MLX reaches Metal (on Linux it has only its CPU backend)."""
+    version, lm = _dist_version("mlx"), _dist_version("mlx-lm")
+    if version is None:
+        return MlxInfo("not installed", None, lm, None, None, "importlib.metadata", "mlx is not installed")
+    try:
+        import mlx.core as mx
+
+        metal = bool(mx.metal.is_available())
+        device = mx.default_device().type.name
+    except Exception as exc:  # a broken install is a finding, not a crash
+        return MlxInfo("unknown", version, lm, None, None, "importlib.metadata",
+                       f"unknown (import mlx.core failed: {type(exc).__name__}: {exc})")
+    reason = None if lm else "mlx-lm is not installed (the MLX runtime loads models with it)"
+    return MlxInfo("ok", version, lm, metal, device, "mlx.core.metal.is_available(), mlx.core.default_device()",
+                   reason)
+
+
 # --- the whole machine and what follows from it -------------------------------------------------
 
 
-def detect(root: str | Path = "/", *, llama_cpp: bool = True, onnxruntime: bool = True,
+def detect(root: str | Path = "/", *, llama_cpp: bool = True, onnxruntime: bool = True, mlx: bool = True,
            nvml: Any = None) -> HardwareReport:
-    """Read this machine. `llama_cpp=False` / `onnxruntime=False` skip asking those runtimes (no imports);
+    """Read this machine. `llama_cpp=False` / `onnxruntime=False` / `mlx=False` skip asking those runtimes (no imports);
     a runtime not asked is reported with status "unknown" and says so."""
     system = platform.system()
     sysctl = None
@@ -909,6 +939,8 @@ def detect(root: str | Path = "/", *, llama_cpp: bool = True, onnxruntime: bool 
     ort = detect_onnxruntime() if onnxruntime else OnnxRuntimeInfo(
         "unknown", None, None, [], "importlib.metadata", not_asked % "onnxruntime")
     apple = detect_apple(system, sysctl=sysctl) if system == "Darwin" else None
+    mlx_info = detect_mlx() if mlx else MlxInfo("unknown", _dist_version("mlx"), _dist_version("mlx-lm"), None,
+                                                None, "importlib.metadata", not_asked % "mlx")
     return HardwareReport(
         platform=plat,
         cpu=detect_cpu(root, system, sysctl),
@@ -920,6 +952,7 @@ def detect(root: str | Path = "/", *, llama_cpp: bool = True, onnxruntime: bool 
         llama_cpp=llama,
         onnxruntime=ort,
         coreml=detect_coreml(system, apple.macos_version if apple else None),
+        mlx=mlx_info,
     )
 
 
