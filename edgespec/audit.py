@@ -259,7 +259,8 @@ class Fresh:
         others += [self._eval([(ctx[:n - j], 0), (ctx[n - j:], j)]) for j in self.TAIL_BATCHES if j < n]
         others += [self._eval([(np.concatenate([ctx, ctx[-pad:]]), 1 + min(pad, n))], 0) for pad in self.PADS]
         if self.pool is not None:
-            others += [self._shared(ctx, tail, 3), self._shared(ctx, n - 1, 3), self._shared(ctx, tail, 12)]
+            others += [self._shared(ctx, tail, 3), self._shared(ctx, n - 1, 3), self._shared(ctx, tail, 12),
+                       self._shared(ctx, 1, 4), self._shared(ctx, max(1, n - 16), 24)]
         return reference, others
 
     def _shared(self, ctx: np.ndarray, tail: int, m: int) -> np.ndarray:
