@@ -24,8 +24,9 @@ def _raise(message: str) -> None:
 
 
 def render_chat(template: str | None, messages: Sequence[Message], *, bos_token: str = "",
-                eos_token: str = "", add_generation_prompt: bool = True) -> str:
-    """Render messages the way the model was trained to see them."""
+                eos_token: str = "", add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    """Render messages the way the model was trained to see them; `tools` (OpenAI's function tools)
+    go to the template as Hugging Face templates expect them."""
     if not messages:
         raise EdgespecError("no chat messages given")
     for m in messages:
@@ -36,6 +37,6 @@ def render_chat(template: str | None, messages: Sequence[Message], *, bos_token:
     try:
         return env.from_string(template or FALLBACK_TEMPLATE).render(
             messages=list(messages), bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {}))
     except jinja2.TemplateError as exc:
         raise EdgespecError(f"the model's chat template failed to render: {exc}; use --raw") from exc

@@ -49,6 +49,12 @@ BUDGET = typer.Option(None, "--budget", help="memory budget (RAM, or the unified
 TOP_K = typer.Option(40, help="sample among the k most likely tokens (0 = all)")
 REPEAT_PENALTY = typer.Option(1.0, help="divide logits of recently seen tokens by this (1 = off)")
 MIN_P = typer.Option(0.05, help="drop tokens below this fraction of the top token's probability (0 = off)")
+PRESENCE_PENALTY = typer.Option(0.0, help="subtract this from the logits of tokens seen recently (OpenAI's; -2..2)")
+FREQUENCY_PENALTY = typer.Option(0.0, help="subtract this per time a token was seen recently (OpenAI's; -2..2)")
+JSON_SCHEMA = typer.Option(None, "--json-schema", help="answer with JSON valid against this schema (a file, or the "
+                           "schema itself as JSON); '{}' = any JSON object")
+GRAMMAR = typer.Option(None, "--grammar", help="answer in this grammar: a file in Lark or llama.cpp's GBNF")
+REGEX = typer.Option(None, "--regex", help="answer with text matching this regular expression")
 MODE_HELP = " | ".join(["auto (picks drafter and k each round from measured costs)", "ar (plain)"]
                        + [f"{spec.name} ({spec.summary})" for spec in DRAFTERS])  # one per row of the drafter table
 HISTORY_LIMIT = typer.Option(1 << 16, "--history-limit",
@@ -116,6 +122,11 @@ def generate(
     top_p: float = typer.Option(0.95, help="nucleus sampling: smallest set with this much probability (1 = off)"),
     min_p: float = MIN_P,
     repeat_penalty: float = REPEAT_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    json_schema: str = JSON_SCHEMA,
+    grammar: str = GRAMMAR,
+    regex: str = REGEX,
     seed: int = typer.Option(None, help="random seed for sampling; printed in the stats when not given"),
     stop: list[str] = typer.Option([], "--stop", help="stop when this text appears (repeatable)"),
     draft_max: int = typer.Option(None, help="tokens drafted per round [default: 4]"),
@@ -147,14 +158,18 @@ def generate(
         prompt = sys.stdin.read()
     history = _history(history_limit)
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
-                              mode=mode, draft_max=draft_max, raw=raw)
+                              min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop),
+                              mode=mode, draft_max=draft_max, raw=raw,
+                              constraint=constraint_option(json_schema, grammar, regex))
     if system is not None and raw:
         raise EdgespecError("--system needs the chat template; drop --raw")
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
     if verifier:
+        if config.constraint is not None:
+            raise EdgespecError("--json-schema, --grammar and --regex are not supported with --verifier yet")
         if runtime != "llamacpp":
             raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
@@ -167,6 +182,33 @@ def generate(
                          kv_resident=kv_resident)
     with engine, _kept_history(engine, history, history_file):
         _print_stream(engine.stream(prompt if raw else messages, config), as_json)
+
+
+def constraint_option(json_schema: str | None, grammar: str | None, regex: str | None):
+    """The constraint --json-schema, --grammar or --regex asks for (at most one), checked before any model loads."""
+    from pathlib import Path
+
+    from edgespec.structured import Constraint
+
+    given = [name for name, v in (("--json-schema", json_schema), ("--grammar", grammar), ("--regex", regex))
+             if v is not None]
+    if len(given) > 1:
+        raise EdgespecError(f"{' and '.join(given)} each constrain the answer; give one")
+    if regex is not None:
+        return Constraint.regex(regex)
+    if grammar is not None:
+        path = Path(grammar)
+        if not path.is_file():
+            raise EdgespecError(f"--grammar {grammar}: no such file (give a Lark or GBNF grammar file)")
+        return Constraint.grammar_text(path.read_text(encoding="utf-8"))
+    if json_schema is not None:
+        text = json_schema
+        if not text.lstrip().startswith("{"):
+            if not Path(text).is_file():
+                raise EdgespecError(f"--json-schema {text}: neither a file nor a JSON schema")
+            text = Path(text).read_text(encoding="utf-8")
+        return Constraint.json_object() if text.strip() == "{}" else Constraint.json_schema(text)
+    return None
 
 
 def _history(limit: int):
@@ -427,6 +469,11 @@ def chat(
     top_p: float = typer.Option(0.95, help="nucleus sampling (1 = off)"),
     min_p: float = MIN_P,
     repeat_penalty: float = REPEAT_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    json_schema: str = JSON_SCHEMA,
+    grammar: str = GRAMMAR,
+    regex: str = REGEX,
     seed: int = typer.Option(None, help="random seed for sampling"),
     stop: list[str] = typer.Option([], "--stop", help="end an answer when this text appears (repeatable)"),
     draft_max: int = typer.Option(None, help="tokens drafted per round"),
@@ -449,8 +496,10 @@ def chat(
     from edgespec.engine import GenerationConfig
 
     config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop),
-                              mode=mode, draft_max=draft_max)
+                              min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, seed=seed, stop=tuple(stop),
+                              mode=mode, draft_max=draft_max,
+                              constraint=constraint_option(json_schema, grammar, regex))
     history = _history(history_limit)
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,

@@ -2,14 +2,18 @@
 
 Each round reads like the papers' pseudocode:
 
-    choice     = policy.choose(state)           # a drafter and k; k = 0 is plain decoding
-    draft      = drafter.propose(context, k)    # x_1..x_k (and q_1..q_k when sampling)
+    forced     = grammar.forced()               # tokens a constraint admits alone (none unconstrained)
+    choice     = policy.choose(state + forced)  # a drafter and k; k = 0 is plain decoding
+    draft      = forced + drafter.propose(context + forced, k)  # x_1..x_k (and q_1..q_k when sampling),
+                                                # cut at the first token the constraint forbids
     rows       = target.decode([last] + draft)  # p_1..p_{k+1} in one pass
     n, token   = verify(draft, q, p)            # accept a prefix, then correct or add a bonus token
     target.truncate(...); commit(draft[:n] + [token]); policy.observe(...)
 
 Invariant between rounds: the target's KV holds every committed token but the last one, which is
 fed together with the next draft. The draft model keeps the same invariant (see drafters.py).
+Under a constraint (edgespec.structured) every row the sampler processes is masked by the grammar
+as it stands after the tokens before that row, and the grammar holds only committed tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import random
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -27,20 +31,23 @@ import numpy as np
 from edgespec.audit import Recorder
 from edgespec.chat import Message, render_chat
 from edgespec.detokenize import Detokenizer, GenerationResult, TokenLogprob
+from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources, lead_with
 from edgespec.drafters.table import build_drafters
-from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.machine.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
-from edgespec.runtimes.base import Runtime, TreeDecoding, sync_to
+from edgespec.runtimes.base import GrammarVocabulary, Runtime, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
+from edgespec.state import SpeculativeState
 from edgespec.stats import GenerationStats
 from edgespec.drafters.suffix import SuffixHistory, vocabulary_key
+from edgespec.structured import Constraint, ConstraintError, Grammar
 from edgespec.verify import Verifier, accept_greedy, accept_sampling, accept_tree_greedy, accept_tree_sampling
 from edgespec.vocab import check_vocab_compatible
 
 
 MAX_TOP_LOGPROBS = 20
+FORCED_MAX = 16  # grammar-forced tokens one round feeds at most (a long constant string takes rounds)
 
 
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
@@ -66,6 +73,9 @@ class GenerationConfig:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's; over the same window as repeat_penalty (llama.cpp's)
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     seed: int | None = None        # None = a fresh seed, reported in the stats
     stop: tuple[str, ...] = ()
     mode: str = "auto"             # auto | ar | draft | lookup | suffix
@@ -73,6 +83,7 @@ class GenerationConfig:
     raw: bool = False              # True: the prompt is used as is, no chat template
     logprobs: int | None = None    # record the target's log-probability of each emitted token and of
                                    # this many top alternatives (0 = the token's own only); None = off
+    constraint: Constraint | None = None  # output must match this JSON schema / regex / grammar
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -88,31 +99,9 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              min_p=self.min_p, repeat_penalty=self.repeat_penalty)
-
-
-@dataclass
-class SpeculativeState:
-    """Everything one generation carries between rounds, in one place."""
-
-    context: np.ndarray          # prompt then emitted tokens; capacity n_prompt + max_tokens
-    n: int                       # tokens committed (context[:n])
-    n_prompt: int
-    max_tokens: int
-    sampler: Sampler
-    stats: GenerationStats
-    finish_reason: str | None = None
-    t_start: float = field(default_factory=time.perf_counter)
-    top_logprobs: int | None = None                        # config.logprobs
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    @property
-    def committed(self) -> np.ndarray:
-        return self.context[: self.n]
-
-    @property
-    def remaining(self) -> int:
-        return self.max_tokens - (self.n - self.n_prompt)
+                              min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias))
 
 
 @dataclass(frozen=True)
@@ -217,7 +206,8 @@ class Engine:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    def prompt_tokens(self, prompt: str | Sequence[Message], *, raw: bool = False) -> list[int]:
+    def prompt_tokens(self, prompt: str | Sequence[Message], *, raw: bool = False,
+                      tools: list | None = None) -> list[int]:
         """Token ids for a prompt: a string (chat-templated unless raw) or a list of chat messages."""
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -225,15 +215,15 @@ class Engine:
             if raw:
                 return self.target.tokenize(prompt, add_special=True, parse_special=False)
             prompt = [{"role": "user", "content": prompt}]
-        text = self.prompt_text(prompt)
+        text = self.prompt_text(prompt, tools=tools)
         bos_text = self._piece(self.target.vocab.bos)
         add_bos = not (bos_text and text.startswith(bos_text))  # templates often write BOS themselves
         return self.target.tokenize(text, add_special=add_bos, parse_special=True)
 
-    def prompt_text(self, messages: Sequence[Message]) -> str:
+    def prompt_text(self, messages: Sequence[Message], *, tools: list | None = None) -> str:
         """Chat messages rendered with the target's chat template (what `prompt_tokens` tokenizes)."""
         return render_chat(self.target.chat_template(), messages, bos_token=self._piece(self.target.vocab.bos),
-                           eos_token=self._piece(self.target.vocab.eos))
+                           eos_token=self._piece(self.target.vocab.eos), tools=tools)
 
     def _piece(self, token: int | None) -> str:
         return "" if token is None else self.target.token_text(token)
@@ -276,7 +266,17 @@ class Engine:
         seed = config.seed if config.seed is not None else random.SystemRandom().randrange(2**63)
         context = np.zeros(n_prompt + config.max_tokens, dtype=np.int32)
         context[:n_prompt] = prompt_ids
-        return SpeculativeState(context, n_prompt, n_prompt, config.max_tokens, Sampler(config.sampling, seed),
+        n_vocab = self.target.vocab.n_vocab
+        if any(t >= n_vocab for t, _ in config.logit_bias):
+            raise EdgespecError(f"logit_bias names a token past the vocabulary ({n_vocab} tokens)")
+        grammar = None
+        if config.constraint is not None:
+            if GrammarVocabulary not in self.target.capabilities:
+                raise ConstraintError(f"the {self.target.name} runtime cannot constrain output; use llama.cpp or ONNX")
+            grammar = Grammar(self.target.grammar_tokenizer(), config.constraint, n_vocab=n_vocab,
+                              eog=self.target.vocab.eog, position=n_prompt)
+        return SpeculativeState(context, n_prompt, n_prompt, config.max_tokens,
+                                Sampler(config.sampling, seed, grammar),
                                 GenerationStats(mode=mode, prompt_tokens=n_prompt, seed=seed),
                                 top_logprobs=config.logprobs)
 
@@ -353,7 +353,9 @@ class Engine:
     def accept_step(self, state: SpeculativeState, verification: Verification, drafter_name: str) -> np.ndarray:
         """Commit the accepted tokens, applying end-of-generation and length stops. Returns what was added."""
         v = verification
-        state.stats.record_round(drafter_name, len(v.draft), v.n_accepted)
+        f = v.draft.forced
+        state.stats.record_round(drafter_name, len(v.draft) - f, max(0, v.n_accepted - f),
+                                 forced=f, forced_accepted=min(f, v.n_accepted))
         new = np.append(v.accepted, np.int32(v.token)).astype(np.int32)
         eog = self.target.vocab.eog
         for i, token in enumerate(new.tolist()):
@@ -367,6 +369,8 @@ class Engine:
             state.logprobs.extend(token_logprobs(v.logits, new.tolist(), state.top_logprobs))
         state.context[state.n:state.n + len(new)] = new
         state.n += len(new)
+        if state.grammar is not None:
+            state.grammar.consume(new)
         state.stats.generated += len(new)
         if state.stats.ttft_s == 0.0 and len(new):
             state.stats.ttft_s = time.perf_counter() - state.t_start
@@ -408,19 +412,36 @@ class Engine:
     def propose(self, state: SpeculativeState, policy: Policy) -> tuple[Choice, Draft]:
         """The first half of a round: the policy's choice, and the draft it asks for."""
         t = time.perf_counter()
-        choice = policy.choose(state)
+        grammar = state.grammar
+        forced = grammar.forced(min(FORCED_MAX, state.remaining - 1)) if grammar is not None else EMPTY_DRAFT.tokens
+        view = state.ahead(forced)
+        choice = policy.choose(view)
         if self.memory_guard is not None:  # under memory pressure: a shorter draft, or none
             choice = cap_choice(choice, self.memory_guard.check(state))
         state.stats.draft_s += time.perf_counter() - t  # choosing includes asking lookup
-        return choice, self.draft_step(state, choice)
+        draft = self.draft_step(view, choice)
+        return choice, draft if grammar is None else self.constrain(grammar, forced, draft)
+
+    @staticmethod
+    def constrain(grammar: Grammar, forced: np.ndarray, draft: Draft) -> Draft:
+        """A round's draft under a constraint: the forced tokens, then the drafter's chain cut before
+        its first token the grammar forbids (the target would reject it for certain: its masked
+        probability is 0; a one-hot draft's residual is then the masked row itself, so the cut is
+        exact; the draft model drafts from masked rows and is never cut). A tree is left whole: a
+        forbidden node is never accepted, and rows under it are never used."""
+        if len(draft) and draft.parents is None:
+            draft = draft.head(grammar.valid_prefix(np.concatenate([forced, draft.tokens])) - len(forced))
+        return lead_with(forced, draft)
 
     def commit(self, state: SpeculativeState, policy: Policy, choice: Choice,
                verification: Verification) -> np.ndarray:
         """The last half of a round: commit what was accepted, tell the policy. Returns the new tokens."""
-        name = choice.drafter.name if choice.drafter is not None and len(verification.draft) else "none"
-        new = self.accept_step(state, verification, name)
-        policy.observe(choice, len(verification.draft), verification.n_accepted,
-                       np.append(verification.accepted, verification.token), pass_s=verification.pass_s)
+        v, f = verification, verification.draft.forced
+        name = choice.drafter.name if choice.drafter is not None and len(v.draft) > f else "none"
+        new = self.accept_step(state, v, name)
+        if v.n_accepted >= f:  # the drafter's part was judged from where it started (after the forced tokens)
+            policy.observe(choice, len(v.draft) - f, v.n_accepted - f, np.append(v.accepted, v.token)[f:],
+                           pass_s=v.pass_s if not f else None)
         return new
 
     # -- public API ---------------------------------------------------------------------------

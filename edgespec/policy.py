@@ -12,6 +12,9 @@ E/T, so it never picks a setting it predicts to be slower than plain decoding.
 
 With parallel slots (edgespec.serve.slots) other requests put R rows into the same pass; what this
 request's k + 1 rows cost is then the marginal verify(R + k + 1) - verify(R) (`rows_besides` = R).
+Tokens a constraint forces (state.forced = f) lead the pass whatever is chosen and the target
+accepts them (the grammar admits them alone, or its tokenizer spells them as the model does), so a
+round with them emits f + E(k) tokens for verify(f + k + 1): every choice, plain included, gets them.
 
 Where the rates come from: the model-free drafters (DrafterKind.COPIES: prompt lookup, suffix) cost
 nearly nothing to ask, so every round asks each of them for its longest proposal, used or not, and
@@ -36,7 +39,7 @@ from edgespec.drafters import Draft, Drafter, DrafterKind
 from edgespec.errors import EdgespecError
 
 if TYPE_CHECKING:
-    from edgespec.engine import SpeculativeState
+    from edgespec.state import SpeculativeState
     from edgespec.machine.profile import CostProfile
 
 MODES = ("auto", "ar") + tuple(spec.name for spec in DRAFTERS)  # ar: plain decoding; the rest name a drafter
@@ -276,6 +279,7 @@ class AdaptivePolicy:
         self.shadows = ShadowScorer()
         self._round_start = 0
         self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
+        self._forced = 0       # this round's grammar-forced rows, in the pass whatever is chosen
 
     @property
     def drafters(self) -> list[Drafter]:
@@ -291,23 +295,25 @@ class AdaptivePolicy:
         return []
 
     def _pass(self, n: int) -> float:
-        """What n rows of this request add to the target pass: verify(R + n) - verify(R)."""
+        """What n rows of this request (after its forced ones) add to the target pass:
+        verify(R + f + n) - verify(R)."""
         r = self.rows_besides
+        n += self._forced
         return self.profile.verify(r + n) - self.profile.verify(r) if r else self.profile.verify(n)
 
     def plain_speed(self) -> float:
-        return 1.0 / self._verify_costs(0)[0]
+        return (1.0 + self._forced) / self._verify_costs(0)[0]
 
     def _verify_costs(self, k: int) -> np.ndarray:
         """The pass's cost of n = 1 .. k + 1 rows of this request: verify(n) alone (computed once), the
         marginal verify(R + n) - verify(R) beside R rows of other requests."""
-        if not self.rows_besides:
+        if not self.rows_besides and not self._forced:
             return self._verify[:k + 1]
         return np.array([self._pass(n) for n in range(1, k + 2)])
 
     def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:
         """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""
-        e = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+        e = 1.0 + self._forced + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
         cost = self._verify_costs(len(rates)) + ask_s * (np.arange(len(rates) + 1) > 0)
         return e / cost
 
@@ -321,7 +327,7 @@ class AdaptivePolicy:
         tokens the draft must catch up on first (its whole prompt, the first time) cost a prefill,
         spread over the rounds left to pay it back."""
         est = self.estimates[name]
-        e = est.expected_emitted()[: k_cap + 1]
+        e = est.expected_emitted()[: k_cap + 1] + self._forced
         all_pass = np.concatenate([[0.0], np.cumprod(est.rates)])[: k_cap + 1]
         ks = np.arange(k_cap + 1)
         extra = (self.profile.draft_catchup_s or 0.0) - (self.profile.draft_s or 0.0)
@@ -338,6 +344,7 @@ class AdaptivePolicy:
 
     def choose(self, state: "SpeculativeState") -> Choice:
         k_cap = min(self.k_max, state.remaining - 1)
+        self._forced = state.forced
         plain = Choice(None, 0, predicted_speed=self.plain_speed())
         self._round_start = state.n
         proposals = []

@@ -2,7 +2,8 @@
 
 The same function processes target and draft rows, so rejection sampling compares like with like:
 the speculative output then follows exactly the distribution plain sampling would use.
-Order follows llama.cpp's default chain: repetition penalty, top-k, top-p, min-p, temperature.
+Order follows llama.cpp's default chain: logit bias, the grammar's mask (edgespec.structured),
+penalties (repetition, presence, frequency), top-k, top-p, min-p, temperature.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ class SamplingParams:
     top_p: float = 0.95      # 1 = off
     min_p: float = 0.05      # 0 = off
     repeat_penalty: float = 1.0   # 1 = off
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64       # the window every penalty looks at (llama.cpp's penalty_last_n)
+    presence_penalty: float = 0.0   # subtracted from the logit of a token seen in the window (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted once per time it was seen
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs added to the logits first
 
     def __post_init__(self) -> None:
         checks = [
@@ -33,6 +37,10 @@ class SamplingParams:
             (0 <= self.min_p < 1, f"--min-p must be in [0, 1), got {self.min_p}"),
             (self.repeat_penalty > 0, f"--repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty}"),
             (self.repeat_last_n >= 0, f"repeat_last_n must be >= 0, got {self.repeat_last_n}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be >= 0"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -42,15 +50,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a row depends on the tokens before it (some penalty is on)."""
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
+
 
 def penalize(logits: np.ndarray, recent: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Repetition penalty (llama.cpp's rule): shrink the logits of recently seen tokens. Returns a copy."""
-    if params.repeat_penalty == 1.0 or params.repeat_last_n == 0 or len(recent) == 0:
+    """llama.cpp's penalties over the last repeat_last_n tokens: the repetition penalty shrinks the
+    logit of each token seen, then presence and frequency subtract (presence + count x frequency).
+    Returns a copy when anything changes."""
+    if not params.penalised or len(recent) == 0:
         return logits
     out = logits.copy()
-    seen = np.unique(recent[-params.repeat_last_n:])
+    seen, counts = np.unique(recent[-params.repeat_last_n:], return_counts=True)
     vals = out[seen]
-    out[seen] = np.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    if params.repeat_penalty != 1.0:
+        vals = np.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    out[seen] = vals - (params.presence_penalty + counts * params.frequency_penalty)
     return out
 
 
@@ -87,12 +105,19 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 class Sampler:
-    """Processes rows and draws tokens with one seeded generator, so a run can be reproduced."""
+    """Processes rows and draws tokens with one seeded generator, so a run can be reproduced.
 
-    def __init__(self, params: SamplingParams, seed: int):
+    `grammar` (an edgespec.structured.Grammar) masks every row as the grammar stands after the
+    tokens before that row, drafts included, like the penalties: the constrained distribution at
+    each position, whichever pass or drafter asks.
+    """
+
+    def __init__(self, params: SamplingParams, seed: int, grammar=None):
         self.params = params
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self.grammar = grammar
+        self._bias: np.ndarray | None = None
 
     def rows(self, logits: np.ndarray, context: np.ndarray, continuation: np.ndarray) -> np.ndarray:
         """Process the logits rows of the last positions of context + continuation.
@@ -102,17 +127,30 @@ class Sampler:
         Greedy returns (penalised) logits, since argmax is all it needs; sampling returns probabilities.
         """
         params = self.params
-        penalised = params.repeat_penalty != 1.0 and params.repeat_last_n > 0
-        if params.greedy and not penalised:
+        penalised = params.penalised
+        if params.greedy and not penalised and not params.logit_bias and self.grammar is None:
             return logits
         m = logits.shape[0]
+        masks = self.grammar.row_masks(context, continuation, m) if self.grammar is not None else None
         history = np.concatenate([context[-params.repeat_last_n:] if penalised else context[:0], continuation])
         first = len(history) - m + 1
         out = np.empty(logits.shape, dtype=np.float32 if params.greedy else np.float64)
         for j in range(m):
-            row = penalize(logits[j], history[: first + j], params) if penalised else logits[j]
+            row = logits[j] if not params.logit_bias else logits[j] + self._bias_vector(logits.shape[1])
+            if masks is not None:
+                row = np.where(masks[j], row, -np.inf)
+            row = penalize(row, history[: first + j], params) if penalised else row
             out[j] = row if params.greedy else token_distribution(row, params)
         return out
+
+    def _bias_vector(self, n_vocab: int) -> np.ndarray:
+        if self._bias is None:
+            self._bias = np.zeros(n_vocab, dtype=np.float32)
+            for token, bias in self.params.logit_bias:
+                if token >= n_vocab:
+                    raise EdgespecError(f"logit_bias names token {token}, past the vocabulary ({n_vocab} tokens)")
+                self._bias[token] += bias
+        return self._bias
 
     def pick(self, row: np.ndarray) -> int:
         """A token from one processed row: argmax when greedy, a draw otherwise."""

@@ -23,6 +23,9 @@ class GenerationStats:
     generated: int = 0
     drafted: int = 0
     accepted: int = 0
+    forced: int = 0              # tokens a constraint forced into drafts (not in drafted: no drafter's guess)
+    forced_accepted: int = 0     # of which the target took (all, but where it tokenizes a forced string
+    #                              its own way)
     rounds: int = 0              # target verification passes
     tree_rounds: int = 0         # of which verified a token tree rather than a chain
     prefill_s: float = 0.0
@@ -39,7 +42,11 @@ class GenerationStats:
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     chosen: dict[str, int] = field(default_factory=dict)  # "drafter:k" -> rounds
 
-    def record_round(self, drafter: str, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, drafter: str, n_drafted: int, n_accepted: int, *, forced: int = 0,
+                     forced_accepted: int = 0) -> None:
+        """One pass: a drafter's n_drafted tokens after `forced` ones, n_accepted of its own accepted."""
+        self.forced += forced
+        self.forced_accepted += forced_accepted
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
@@ -58,7 +65,7 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+        return 1.0 + (self.accepted + self.forced_accepted) / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,6 +85,8 @@ class GenerationStats:
             "generated": self.generated,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "forced": self.forced,
+            "forced_accepted": self.forced_accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "per_position_acceptance": per_position,
@@ -105,6 +114,10 @@ class GenerationStats:
         if self.drafted:
             line += (f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
                      f"{self.mean_accepted_length:.2f} tokens/pass")
+        if self.forced:
+            line += f", forced {self.forced_accepted}/{self.forced} by the constraint"
+            if not self.drafted:
+                line += f", {self.mean_accepted_length:.2f} tokens/pass"
         if self.predicted_peak_bytes and self.peak_rss_bytes:  # under --budget
             line += (f", peak {format_bytes(self.peak_rss_bytes)} "
                      f"(plan {format_bytes(self.predicted_peak_bytes)})")

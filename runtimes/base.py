@@ -6,7 +6,8 @@ reports its memory. llama.cpp, ONNX Runtime and Core ML implement it, so the eng
 which one it talks to.
 
 What a runtime offers besides is declared, not probed: its `capabilities` name the optional
-protocols below that it implements (token trees, several sequences, saved state, the model it runs),
+protocols below that it implements (token trees, several sequences, saved state, the model it runs,
+the vocabulary a grammar masks),
 and its `sizing` says how much one pass holds. Callers ask `TreeDecoding in runtime.capabilities`.
 """
 
@@ -59,6 +60,7 @@ class Sizing:
     n_threads: int | None = None  # CPU threads it computes with; None = no such setting
     n_outputs_max: int = 0       # most logits rows one pass returns (0 = as many as it evaluates)
     n_seq_max: int = 1           # sequences one pass may hold: the branches of a token tree (1 = chains only)
+    n_gpu_layers: int = 0        # layers computed on an offload device (GPU, Vulkan, Metal); -1 = all
 
 
 @runtime_checkable
@@ -161,7 +163,14 @@ class SeveralSequences(Protocol):
         """One sequence seen as a one-sequence `Runtime` with room for n_ctx tokens."""
 
 
-OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences)
+class GrammarVocabulary(Protocol):
+    """Constrained output (edgespec.structured): llguidance's tokenizer over the model's own vocabulary."""
+
+    def grammar_tokenizer(self):
+        """An `llguidance.LLTokenizer` (built on first use, then kept: about 1 s for 150k tokens)."""
+
+
+OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences, GrammarVocabulary)
 
 
 class NotOffered:

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, Sizing, TokenSequence
+from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, Sizing, TokenSequence
 from edgespec.runtimes.formats import COREML_FUNCTIONS as FUNCTIONS, causal_mask, describe_feature
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
 
@@ -233,7 +233,7 @@ class _PlannedRuntime(HFVocabMethods, TokenSequence):
     evaluates one planned call and returns its logits (T, n_vocab)."""
 
     name = "coreml"
-    capabilities: frozenset[type] = frozenset()  # the protocol alone: no trees, saved state or model file key
+    capabilities: frozenset[type] = frozenset({GrammarVocabulary})  # no trees, saved state or model file key
     sizing = Sizing()  # its calls have the lengths the package was exported with, not settings of ours
 
     def __init__(self, info: PackageInfo, vocab: HFVocab, n_ctx: int | None):

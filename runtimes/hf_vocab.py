@@ -106,6 +106,7 @@ class HFVocab:
         self._user_defined = np.array([ty == int(gguf.TokenType.USER_DEFINED) or tx in rendered
                                        for tx, ty in zip(self._texts, types)], dtype=bool)
         self._bytes: list[bytes | None] = [None] * self.n_vocab
+        self._grammar_tokenizer = None
         self._template = self._read_chat_template(hf.config)
 
         config = read_json(self.directory / "config.json") if config is None else config
@@ -187,6 +188,15 @@ class HFVocab:
     def chat_template(self) -> str | None:
         return self._template
 
+    def grammar_tokenizer(self):
+        """llguidance's tokenizer from this tokenizer.json, for constrained output (built once)."""
+        if self._grammar_tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._grammar_tokenizer = LLTokenizer(self._tokenizer.to_str(), n_vocab=self.n_vocab,
+                                                  eos_token=self.info.eos)
+        return self._grammar_tokenizer
+
 
 class HFVocabMethods:
     """The Runtime protocol's vocabulary methods, answered by the runtime's `_vocab` (an HFVocab)."""
@@ -204,3 +214,6 @@ class HFVocabMethods:
 
     def chat_template(self) -> str | None:
         return self._vocab.chat_template()
+
+    def grammar_tokenizer(self):
+        return self._vocab.grammar_tokenizer()

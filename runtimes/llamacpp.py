@@ -23,7 +23,7 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import (MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
                                      TokenSequence, TreeDecoding, VocabInfo)
 from edgespec.runtimes.identity import file_identity
 
@@ -105,6 +105,69 @@ def backend_info() -> dict:
     }
 
 
+# --- ggml's backend devices (CPU, Vulkan, CUDA, Metal, ...) ----------------------------------------
+
+_DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}  # enum ggml_backend_dev_type
+_ggml = None
+
+
+def _ggml_lib():
+    """libggml as llama-cpp-python loaded it, with the prototypes of the device functions used here
+    (llama-cpp-python binds none of them; dlsym on libggml also finds libggml-base's)."""
+    global _ggml
+    if _ggml is None:
+        from llama_cpp._ggml import libggml as lib
+
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args, res in (("ggml_backend_dev_count", [], sz), ("ggml_backend_dev_get", [sz], vp),
+                                ("ggml_backend_dev_name", [vp], ctypes.c_char_p),
+                                ("ggml_backend_dev_description", [vp], ctypes.c_char_p),
+                                ("ggml_backend_dev_type", [vp], ctypes.c_int),
+                                ("ggml_backend_dev_memory", [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
+                                ("ggml_backend_dev_backend_reg", [vp], vp),
+                                ("ggml_backend_reg_name", [vp], ctypes.c_char_p),
+                                ("ggml_backend_dev_by_name", [ctypes.c_char_p], vp)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        _ggml = lib
+    return _ggml
+
+
+def backend_devices() -> list[dict]:
+    """The devices this llama.cpp build computes on, in ggml's order: {"index", "name" ("Vulkan0",
+    "CUDA0", "CPU"), "description", "type" (cpu, gpu, igpu, accel), "backend" ("Vulkan", "CUDA", ...),
+    "memory_free_bytes", "memory_total_bytes"} — memory as the backend itself reports it
+    (ggml_backend_dev_memory: the driver's budget where it has one, else the device heap)."""
+    _init_backend(_Log.verbose)
+    lib = _ggml_lib()
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        out.append({"index": i, "name": (lib.ggml_backend_dev_name(dev) or b"").decode(),
+                    "description": (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                    "type": _DEVICE_TYPES.get(int(lib.ggml_backend_dev_type(dev)), "unknown"),
+                    "backend": (lib.ggml_backend_reg_name(reg) or b"").decode() if reg else "",
+                    "memory_free_bytes": int(free.value), "memory_total_bytes": int(total.value)})
+    return out
+
+
+def _device_handle(name: str) -> int:
+    _init_backend(_Log.verbose)
+    handle = _ggml_lib().ggml_backend_dev_by_name(name.encode())
+    if not handle:
+        known = ", ".join(d["name"] for d in backend_devices())
+        raise EdgespecError(f"llama.cpp has no device named {name!r} (this build has: {known})")
+    return handle
+
+
+def offload_devices() -> list[dict]:
+    """The devices llama.cpp offloads layers to (GPUs, integrated GPUs), not the CPU or its accelerators."""
+    return [d for d in backend_devices() if d["type"] in ("gpu", "igpu")]
+
+
 # --- the runtime -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -118,6 +181,7 @@ class LlamaCppOptions:
     n_threads: int | None = None        # None = physical cores
     n_threads_batch: int | None = None  # None = same as n_threads
     n_gpu_layers: int = 0      # -1 = all layers
+    devices: tuple[str, ...] | None = None  # offload devices by name ("Vulkan0"); () = none, CPU only; None = all
     flash_attn: bool | None = None      # None = llama.cpp decides (on where a quantized V cache needs it)
     type_k: str = "f16"
     type_v: str = "f16"
@@ -265,14 +329,15 @@ class VocabOnly:
 
 
 def _sizing(n_batch: int, n_threads: int, options: LlamaCppOptions) -> Sizing:
-    return Sizing(n_batch=n_batch, n_threads=n_threads, n_outputs_max=options.n_outputs_max, n_seq_max=options.n_seq_max)
+    return Sizing(n_batch=n_batch, n_threads=n_threads, n_outputs_max=options.n_outputs_max, n_seq_max=options.n_seq_max,
+                  n_gpu_layers=options.n_gpu_layers)
 
 
 class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
-    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState})
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
                  identity: dict | None = None):
@@ -291,6 +356,12 @@ class LlamaCppRuntime(TokenSequence):
         mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
         mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP if options.use_mmap else ll.LLAMA_LOAD_MODE_NONE
         mparams.use_extra_bufts = options.extra_buffers
+        if options.devices is not None:
+            # NULL-terminated; empty keeps every op on the CPU (n_gpu_layers=0 alone still lets llama.cpp
+            # run large-batch matmuls on a GPU and reserve a compute buffer there)
+            handles = [_device_handle(name) for name in options.devices]
+            self._device_list = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)  # kept alive with the model
+            mparams.devices = ctypes.cast(self._device_list, ctypes.c_void_p)
         self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
@@ -333,6 +404,7 @@ class LlamaCppRuntime(TokenSequence):
         self.n_threads = n_threads
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
         self.vocab = self._read_vocab()
+        self._grammar_tokenizer = None
 
         # One batch reused for every decode; plain decodes use sequence 0 only.
         self._batch = ll.llama_batch_init(self.n_batch, 0, options.n_seq_max)
@@ -382,6 +454,20 @@ class LlamaCppRuntime(TokenSequence):
     def chat_template(self) -> str | None:
         raw = ll.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
+
+    def grammar_tokenizer(self):
+        """llguidance's tokenizer over this model's own vocabulary, for constrained output (built on
+        first use, about 1 s for 150k tokens, then kept; it reads the model's vocab, so it lives as
+        long as the model)."""
+        if self._grammar_tokenizer is None:
+            import warnings
+
+            from llguidance.llamacpp import lltokenizer_from_vocab
+
+            with warnings.catch_warnings():  # it calls llama_token_get_attr, deprecated in llama-cpp-python
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab_ptr, n_vocab=self.n_vocab)
+        return self._grammar_tokenizer
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1024)
@@ -590,6 +676,11 @@ class LlamaCppRuntime(TokenSequence):
             other=other,
         )
 
+    def device_buffers(self) -> dict[str, int]:
+        """What llama.cpp allocated on offload devices (GPU memory): {"Vulkan0 model": bytes, "Vulkan0 KV": ...}."""
+        names = {d["name"] for d in offload_devices()}
+        return {k: v for k, v in self.buffers.items() if k.split(" ", 1)[0] in names}
+
     def close(self) -> None:
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
@@ -654,7 +745,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     inherited. Not thread-safe: one thread owns it.
     """
 
-    capabilities = frozenset({SeveralSequences, ModelIdentity})
+    capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8,
                  identity: dict | None = None):
@@ -806,7 +897,7 @@ class LlamaCppSequence:
     Holds no memory of its own: the KV cells come from the owner's unified pool.
     """
 
-    capabilities = frozenset({ModelIdentity, SavedState})  # no trees: the other sequences are other slots
+    capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # no trees: the other sequences are other slots
 
     def __init__(self, owner: LlamaCppMultiSeqRuntime, seq: int, n_ctx: int):
         self.owner = owner
@@ -856,6 +947,9 @@ class LlamaCppSequence:
 
     def chat_template(self) -> str | None:
         return self.owner.chat_template()
+
+    def grammar_tokenizer(self):
+        return self.owner.grammar_tokenizer()
 
     def metadata(self, key: str) -> str | None:
         return self.owner.metadata(key)

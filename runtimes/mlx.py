@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
+from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods, read_json
 from edgespec.runtimes.identity import file_identity
 
@@ -110,7 +110,7 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
     """A model run by mlx-lm and one KV sequence. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "mlx"
-    capabilities = frozenset({ModelIdentity, SavedState})  # one sequence: no trees
+    capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # one sequence: no trees
 
     def __init__(self, path: str | os.PathLike, options: MlxOptions = MlxOptions(), *,
                  identity: dict | None = None):

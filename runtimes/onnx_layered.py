@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, ModelIdentity, Sizing, TokenSequence
+from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, Sizing, TokenSequence
 from edgespec.runtimes.formats import LAYERS_FORMAT as FORMAT, LAYERS_MANIFEST as MANIFEST, LAYERS_SCHEMA as SCHEMA
 from edgespec.runtimes.formats import sha256_file
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods
@@ -123,7 +123,7 @@ class LayeredOnnxRuntime(HFVocabMethods, TokenSequence):
     """Layer graphs and one KV sequence in a managed store. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime-layered"
-    capabilities = frozenset({ModelIdentity})  # one sequence, no trees; no saved state
+    capabilities = frozenset({ModelIdentity, GrammarVocabulary})  # one sequence, no trees; no saved state
 
     def __init__(self, path: str | os.PathLike, options: LayeredOptions | None = None, **overrides):
         ort = _need_ort()

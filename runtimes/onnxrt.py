@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.errors import EdgespecError, ModelFileError
-from edgespec.runtimes.base import MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
+from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
 from edgespec.runtimes.formats import ONNX_FILES
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods, read_json
 from edgespec.runtimes.identity import file_identity
@@ -142,7 +142,7 @@ class OnnxRuntime(HFVocabMethods, TokenSequence):
     """An exported with-past ONNX decoder and one KV sequence. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "onnxruntime"
-    capabilities = frozenset({ModelIdentity, SavedState})  # one sequence: no trees
+    capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # one sequence: no trees
 
     def __init__(self, path: str | os.PathLike, options: OnnxOptions = OnnxOptions(), *,
                  identity: dict | None = None):

@@ -298,11 +298,11 @@ def test_verify_call_equals_token_by_token(bundle, hf_tiny):
 
 
 def test_declared_capabilities_match_the_reference(bundle, hf_tiny):
-    from edgespec.runtimes.base import Sizing
+    from edgespec.runtimes.base import GrammarVocabulary, Sizing
     from test_runtime_capabilities import declaration_mismatches
 
     ref = reference(bundle, hf_tiny)
-    assert declaration_mismatches(ref) == [] and ref.capabilities == frozenset() and ref.sizing == Sizing()
+    assert declaration_mismatches(ref) == [] and ref.capabilities == {GrammarVocabulary} and ref.sizing == Sizing()
 
 
 def test_rollback_then_redecode_equals_fresh(bundle, hf_tiny):

@@ -76,7 +76,7 @@ def test_a_registered_model_free_drafter_is_built_asked_and_chosen_by_auto(monke
     policy = AdaptivePolicy(costs, drafters["echo"], k_max=4)
     context = [7, 8, 9, 10, 11, 12, 13]
     state = SimpleNamespace(committed=np.asarray(context, dtype=np.int32), remaining=100, n=len(context),
-                            n_prompt=0, sampler=Sampler(SamplingParams(temperature=0), 0))
+                            n_prompt=0, sampler=Sampler(SamplingParams(temperature=0), 0), forced=0)
     assert policy.choose(state).drafter is None  # not trusted on its word
     for _ in range(30):  # plain rounds whose tokens confirm what echo proposed: it learns in the shadow
         policy.choose(state)

@@ -477,13 +477,15 @@ def test_model_advice_follows_memory(here):
 
 TOP = {"schema_version": int, "platform": dict, "cpu": dict, "memory": dict, "gpus": dict, "apple": (dict, type(None)),
        "jetson": (dict, type(None)), "llama_cpp": dict, "onnxruntime": dict, "coreml": dict, "mlx": dict, "device_key": str,
-       "memory_kind": str, "gpu_layers": int, "device_memory_bytes": (int, type(None)), "advice": list}
+       "memory_kind": str, "gpu_layers": int, "device_memory_bytes": (int, type(None)), "advice": list,
+       "display_gpus": (dict, type(None))}
 SECTIONS = {
     "cpu": {"arch", "name", "logical_cores", "physical_cores", "usable_cores", "simd", "simd_level", "sources",
             "unavailable"},
     "memory": {"total_bytes", "available_bytes", "limit_bytes", "usable_bytes", "sources", "unavailable"},
     "gpus": {"status", "reason", "source", "devices", "cuda_toolkit", "cuda_toolkit_source"},
-    "llama_cpp": {"status", "version", "gpu_offload", "backends", "system_info", "build", "source", "reason"},
+    "llama_cpp": {"status", "version", "gpu_offload", "backends", "system_info", "build", "source", "reason",
+                  "devices"},
     "onnxruntime": {"status", "package", "version", "providers", "source", "reason"},
     "coreml": {"can_run", "coremltools", "reason", "source"},
     "mlx": {"status", "version", "mlx_lm", "metal", "device", "source", "reason"},
@@ -496,12 +498,17 @@ APPLE_KEYS = {"chip", "unified_memory_bytes", "performance_cores", "efficiency_c
 JETSON_KEYS = {"model", "soc", "l4t_release", "jetpack", "board", "cuda_arch", "cuda_version",
                "unified_memory_bytes", "sources", "unavailable"}
 
+DISPLAY_KEYS = {"devices", "vulkan", "vulkan_reason", "rocm", "sources", "unavailable"}
+DRM_GPU_KEYS = {"card", "vendor", "vendor_id", "device_id", "driver", "pci_slot", "memory_total_bytes", "source"}
+VULKAN_KEYS = {"name", "type", "vendor_id", "driver", "api_version"}
+LLAMA_DEVICE_KEYS = {"index", "name", "description", "type", "backend", "memory_free_bytes", "memory_total_bytes"}
+
 
 def check_schema(doc: dict) -> None:
     assert set(doc) == set(TOP)
     for key, kind in TOP.items():
         assert isinstance(doc[key], kind), key
-    assert doc["schema_version"] == hardware.SCHEMA_VERSION == 1
+    assert doc["schema_version"] == hardware.SCHEMA_VERSION == 2
     for section, keys in SECTIONS.items():
         assert set(doc[section]) == keys, section
     assert doc["gpus"]["status"] in ("ok", "none", "unavailable")
@@ -515,6 +522,14 @@ def check_schema(doc: dict) -> None:
         assert set(doc["apple"]) == APPLE_KEYS
     if doc["jetson"] is not None:
         assert set(doc["jetson"]) == JETSON_KEYS
+    if doc["display_gpus"] is not None:
+        assert set(doc["display_gpus"]) == DISPLAY_KEYS
+        for g in doc["display_gpus"]["devices"]:
+            assert set(g) == DRM_GPU_KEYS
+        for d in doc["display_gpus"]["vulkan"] or []:
+            assert set(d) == VULKAN_KEYS
+    for d in doc["llama_cpp"]["devices"]:
+        assert set(d) == LLAMA_DEVICE_KEYS
     for section in ("cpu", "memory"):
         for field, why in doc[section]["unavailable"].items():
             assert doc[section][field] is None or section == "cpu", (section, field)
@@ -558,3 +573,114 @@ def test_hardware_module_imports_no_runtime():
 @pytest.mark.skipif(shutil.which("sysctl") is None or platform.system() != "Darwin", reason="macOS only")
 def test_detect_apple_on_a_mac(here):  # runs only where there is a Mac; here it is skipped
     assert (here.apple is not None) == (platform.machine() == "arm64")
+
+
+# --- consumer GPUs: /sys/class/drm, vulkaninfo, ROCm ------------------------------------------------
+
+
+def _fake_drm(root: Path, cards: dict[str, dict[str, str]]) -> Path:
+    """A directory laid out like / with /sys/class/drm/<card>/device/<file> for each card's files."""
+    for card, files in cards.items():
+        dev = root / "sys/class/drm" / card / "device"
+        dev.mkdir(parents=True)
+        for name, text in files.items():
+            (dev / name).write_text(text)
+    (root / "sys/class/drm/card0-DP-1").mkdir(parents=True, exist_ok=True)  # a connector, not a GPU
+    (root / "sys/class/drm/renderD128").mkdir(parents=True, exist_ok=True)
+    return root
+
+
+AMD_CARD = {"vendor": "0x1002\n", "device": "0x73DF\n", "uevent": "DRIVER=amdgpu\nPCI_SLOT_NAME=0000:03:00.0\n",
+            "mem_info_vram_total": "12868124672\n"}
+INTEL_CARD = {"vendor": "0x8086\n", "device": "0x46a6\n", "uevent": "DRIVER=i915\nPCI_SLOT_NAME=0000:00:02.0\n"}
+NOUVEAU_CARD = {"vendor": "0x10de\n", "device": "0x2684\n", "uevent": "DRIVER=nouveau\nPCI_SLOT_NAME=0000:01:00.0\n"}
+
+
+def test_drm_gpus_of_every_vendor(tmp_path):
+    root = _fake_drm(tmp_path, {"card0": INTEL_CARD, "card1": AMD_CARD, "card2": NOUVEAU_CARD})
+    gpus, why = hardware.detect_drm_gpus(root)
+    assert why is None
+    assert [(g.card, g.vendor, g.device_id, g.driver, g.pci_slot) for g in gpus] == [
+        ("card0", "intel", "0x46a6", "i915", "0000:00:02.0"), ("card1", "amd", "0x73df", "amdgpu", "0000:03:00.0"),
+        ("card2", "nvidia", "0x2684", "nouveau", "0000:01:00.0")]
+    assert gpus[1].memory_total_bytes == 12868124672 and gpus[0].memory_total_bytes is None
+    assert hardware.detect_drm_gpus(tmp_path / "nothing")[1].startswith("unavailable:")
+
+
+def test_parse_vulkaninfo_summary():
+    [lvp] = hardware.parse_vulkaninfo_summary((DATA / "vulkaninfo_summary_llvmpipe.txt").read_text())
+    assert (lvp.type, lvp.driver, lvp.api_version) == ("CPU", "llvmpipe", "1.3.230")
+    assert lvp.name.startswith("llvmpipe")
+    amd, intel = hardware.parse_vulkaninfo_summary((DATA / "vulkaninfo_summary_radv_anv.txt").read_text())
+    assert (amd.name, amd.type, amd.vendor_id, amd.driver) == ("AMD Radeon RX 6700 XT (RADV NAVI22)", "DISCRETE_GPU",
+                                                               "0x1002", "radv")
+    assert intel.type == "INTEGRATED_GPU"
+
+
+def _consumer(here: HardwareReport, tmp_path: Path, cards: dict, vulkaninfo: str | None, rocm: bool = False,
+              llama: LlamaCppInfo | None = None) -> HardwareReport:
+    root = _fake_drm(tmp_path, cards)
+    if rocm:
+        (root / "opt/rocm/.info").mkdir(parents=True)
+        (root / "opt/rocm/.info/version").write_text("6.2.0-66\n")
+    text = (DATA / vulkaninfo).read_text() if vulkaninfo else None
+    return _with(here, gpus=GPUProbe("none", "no NVIDIA driver loaded", "/proc/driver/nvidia"), apple=None,
+                 jetson=None, llama_cpp=llama or _no_offload(),
+                 display_gpus=hardware.detect_display_gpus(root, vulkaninfo=text))
+
+
+def _llama_advice(report: HardwareReport) -> list:
+    return [a for a in advice.advise(report) if a.topic == "llama_cpp"]
+
+
+def test_advice_amd_and_intel_get_vulkan(here, tmp_path):
+    [a] = _llama_advice(_consumer(here, tmp_path / "amd", {"card0": AMD_CARD}, "vulkaninfo_summary_radv_anv.txt"))
+    assert a.command == "bash scripts/install.sh --vulkan"
+    assert "AMD GPU 0x73df" in a.message and "Vulkan sees AMD Radeon RX 6700 XT" in a.message
+    assert 'CMAKE_ARGS="-DGGML_VULKAN=on"' in a.message and "Not checked" in a.message
+    [i] = _llama_advice(_consumer(here, tmp_path / "intel", {"card0": INTEL_CARD}, None))
+    assert i.command == "bash scripts/install.sh --vulkan" and "Intel GPU" in i.message
+    assert "not verified" in i.message  # no vulkaninfo text: doctor says it could not confirm a driver
+
+
+def test_advice_software_vulkan_only_is_not_a_driver(here, tmp_path):
+    [a] = _llama_advice(_consumer(here, tmp_path, {"card0": AMD_CARD}, "vulkaninfo_summary_llvmpipe.txt"))
+    assert "lists no hardware Vulkan device" in a.message and a.command == "bash scripts/install.sh --vulkan"
+
+
+def test_advice_amd_with_rocm_gets_hip(here, tmp_path):
+    [a] = _llama_advice(_consumer(here, tmp_path, {"card0": AMD_CARD}, "vulkaninfo_summary_radv_anv.txt", rocm=True))
+    assert a.command == ('CMAKE_ARGS="-DGGML_HIP=on" pip install --force-reinstall --no-cache-dir '
+                         "llama-cpp-python==0.3.36")
+    assert "ROCm 6.2.0-66" in a.message and "install.sh --vulkan" in a.message
+
+
+def test_advice_nvidia_without_its_driver(here, tmp_path):
+    [a] = _llama_advice(_consumer(here, tmp_path, {"card0": NOUVEAU_CARD}, None))
+    assert "without NVIDIA's driver" in a.message and "CUDA" in a.message
+
+
+VULKAN_DEVICE = {"index": 0, "name": "Vulkan0", "description": "AMD Radeon RX 6700 XT (RADV NAVI22)", "type": "gpu",
+                 "backend": "Vulkan", "memory_free_bytes": 12 * 1024**3, "memory_total_bytes": 12868124672}
+CPU_DEVICE = {"index": 1, "name": "CPU", "description": "x86", "type": "cpu", "backend": "CPU",
+              "memory_free_bytes": 1, "memory_total_bytes": 1}
+
+
+def test_vulkan_build_offloads_and_keys_its_device(here, tmp_path):
+    llama = dataclasses.replace(_offload(here, ["Vulkan", "CPU"]), devices=[VULKAN_DEVICE, CPU_DEVICE])
+    report = _consumer(here, tmp_path, {"card0": AMD_CARD}, "vulkaninfo_summary_radv_anv.txt", llama=llama)
+    assert (default_gpu_layers(report), memory_kind(report)) == (-1, "discrete")
+    assert device_key(report) == "vulkan-AMD_Radeon_RX_6700_XT_RADV_NAVI22"
+    assert hardware.device_memory_bytes(report) == 12868124672  # what llama.cpp reports for its device
+    [a] = _llama_advice(report)
+    assert a.command is None and "offloads to the GPU (Vulkan0" in a.message
+    check_schema(advice.doctor_document(report))
+
+
+def test_a_software_vulkan_device_is_called_one(here, tmp_path):
+    lvp = dict(VULKAN_DEVICE, description="llvmpipe (LLVM 15.0.6, 256 bits)")
+    llama = dataclasses.replace(_offload(here, ["Vulkan", "CPU"]), devices=[lvp, CPU_DEVICE])
+    report = _consumer(here, tmp_path, {}, "vulkaninfo_summary_llvmpipe.txt", llama=llama)
+    [a] = _llama_advice(report)
+    assert "software Vulkan device" in a.message and "GGML_VK_VISIBLE_DEVICES" in a.message
+

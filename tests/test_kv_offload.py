@@ -196,11 +196,11 @@ def test_part_of_the_layers_stay_in_ram(layered):
 
 
 def test_declared_capabilities_match_the_runtime(layered):
-    from edgespec.runtimes.base import ModelIdentity, Sizing
+    from edgespec.runtimes.base import GrammarVocabulary, ModelIdentity, Sizing
     from test_runtime_capabilities import declaration_mismatches
 
     with _runtime(layered["llama"], n_batch=16) as rt:
-        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity}
+        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, GrammarVocabulary}
         assert rt.sizing == Sizing(n_batch=16, n_threads=THREADS)
 
 

@@ -124,12 +124,12 @@ def test_saved_state_restores_the_same_logits(hf_tiny):
 
 
 def test_declared_capabilities_and_sizing(hf_tiny):
-    from edgespec.runtimes.base import ModelIdentity, Runtime, SavedState, Sizing
+    from edgespec.runtimes.base import GrammarVocabulary, ModelIdentity, Runtime, SavedState, Sizing
     from test_runtime_capabilities import declaration_mismatches
 
     with mlx_runtime(hf_tiny["llama"], n_batch=16) as rt:
         assert isinstance(rt, Runtime)
-        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState}
+        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState, GrammarVocabulary}
         assert rt.sizing == Sizing(n_batch=16)
         key = rt.compatibility_key()
         assert key["runtime"].startswith("mlx ") and " mlx-lm " in key["runtime"] and key["kv_dtype"] == "float32"

@@ -170,11 +170,11 @@ def test_saved_state_restores_the_same_logits(exported):
 
 
 def test_declared_capabilities_match_the_runtime(exported):
-    from edgespec.runtimes.base import ModelIdentity, SavedState, Sizing
+    from edgespec.runtimes.base import GrammarVocabulary, ModelIdentity, SavedState, Sizing
     from test_runtime_capabilities import declaration_mismatches
 
     with onnx_runtime(exported["llama"]["onnx"], prefill_chunk=16) as rt:
-        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState}
+        assert declaration_mismatches(rt) == [] and rt.capabilities == {ModelIdentity, SavedState, GrammarVocabulary}
         assert rt.sizing == Sizing(n_batch=16, n_threads=1)  # one sequence, no cap on logits rows
 
 

@@ -39,7 +39,7 @@ class _Named:
 def make_state(context, remaining=100, n_prompt=0):
     """A state past its first round (the first round is always plain decoding)."""
     return SimpleNamespace(committed=np.asarray(context, dtype=np.int32), remaining=remaining, n=len(context),
-                           n_prompt=n_prompt, sampler=Sampler(SamplingParams(temperature=0), 0))
+                           n_prompt=n_prompt, sampler=Sampler(SamplingParams(temperature=0), 0), forced=0)
 
 
 def with_acceptance(policy, name, rate, rounds=30):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import load_runtime
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.base import (OPTIONAL_PROTOCOLS, ModelIdentity, NotOffered, Runtime, SavedState,
+from edgespec.runtimes.base import (OPTIONAL_PROTOCOLS, GrammarVocabulary, ModelIdentity, NotOffered, Runtime, SavedState,
                                     SeveralSequences, Sizing, TreeDecoding)
 
 
@@ -91,9 +91,9 @@ def test_llama_cpp_runtimes_declare_what_they_have(tiny_pair):
         for rt in (single, multi, seq):
             assert declaration_mismatches(rt) == [], type(rt).__name__
         assert isinstance(single, Runtime) and isinstance(seq, Runtime)
-        assert single.capabilities == {TreeDecoding, ModelIdentity, SavedState}
-        assert multi.capabilities == {SeveralSequences, ModelIdentity}
-        assert seq.capabilities == {ModelIdentity, SavedState}
+        assert single.capabilities == {TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary}
+        assert multi.capabilities == {SeveralSequences, ModelIdentity, GrammarVocabulary}
+        assert seq.capabilities == {ModelIdentity, SavedState, GrammarVocabulary}
         # the sizing facts are the options the runtime was made with; a slot gets its share of rows
         assert single.sizing == Sizing(n_batch=single.n_batch, n_threads=1, n_outputs_max=9, n_seq_max=3)
         assert seq.sizing == Sizing(n_batch=multi.n_batch, n_threads=1, n_outputs_max=4, n_seq_max=1)

@@ -33,12 +33,41 @@ class Draft:
     #                                    token, i + 1 = tokens[i]); None = a chain
     confidence: np.ndarray | None = None  # (m,) the drafter's own chance that token i follows, given
     #                                       tokens[:i] did (suffix drafting); None = not given
+    forced: int = 0  # the first `forced` tokens are a constraint's forced continuation (a chain
+    #                  under any tree), not the drafter's
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def head(self, n: int) -> "Draft":
+        """The chain's first n tokens."""
+        if n >= len(self) or self.parents is not None:
+            return self
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], None,
+                     None if self.confidence is None else self.confidence[:n], min(self.forced, n))
+
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
+
+
+def lead_with(forced: np.ndarray, draft: Draft) -> Draft:
+    """`forced` tokens, then the draft (drafted from the context with them appended): one round's
+    proposal. The forced tokens are one-hot proposals, certain where the grammar admits nothing
+    else; verification judges them like any drafted token, so they need no trust."""
+    f = len(forced)
+    if not f:
+        return draft
+    tokens = np.concatenate([forced, draft.tokens]).astype(np.int32)
+    probs = None
+    if draft.probs is not None:
+        probs = np.zeros((f, draft.probs.shape[1]), dtype=draft.probs.dtype)
+        probs[np.arange(f), forced] = 1.0
+        probs = np.concatenate([probs, draft.probs])
+    parents = None
+    if draft.parents is not None:  # the tree hangs off the last forced token (node f)
+        parents = np.concatenate([np.arange(f), np.asarray(draft.parents) + f]).astype(np.int64)
+    confidence = None if draft.confidence is None else np.concatenate([np.ones(f), draft.confidence])
+    return Draft(tokens, probs, parents, confidence, forced=f + draft.forced)
 
 
 class Drafter(Protocol):

@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from edgespec.machine.hardware import (HardwareReport, default_gpu_layers, device_memory_bytes, memory_kind,
-                               parse_llama_system_info)
+from edgespec.machine.hardware import (DisplayGPU, HardwareReport, default_gpu_layers, device_memory_bytes,
+                                       memory_kind, offload_device, parse_llama_system_info)
 
 LLAMA_CPP_VERSION = "0.3.36"
 _PIP_LLAMA = f"pip install --force-reinstall --no-cache-dir llama-cpp-python=={LLAMA_CPP_VERSION}"
@@ -50,6 +50,49 @@ def cpu_build_command() -> str:
     return f"pip install llama-cpp-python=={LLAMA_CPP_VERSION}"
 
 
+def vulkan_build_command() -> str:
+    """From a checkout: Debian's Vulkan toolchain, the header guard Debian 12 needs, its own venv."""
+    return "bash scripts/install.sh --vulkan"
+
+
+def vulkan_pip_command() -> str:
+    """Where the Vulkan headers are 1.3.261 or newer (Debian 13, Ubuntu 24.04, the LunarG SDK)."""
+    return f'CMAKE_ARGS="-DGGML_VULKAN=on" {_PIP_LLAMA}'
+
+
+def rocm_build_command() -> str:
+    return f'CMAKE_ARGS="-DGGML_HIP=on" {_PIP_LLAMA}'
+
+
+def _consumer_gpu_advice(r: HardwareReport, gpus: list[DisplayGPU]) -> Advice:
+    """AMD, Intel (or NVIDIA without its driver) GPUs from /sys/class/drm: the build that fits, and
+    what doctor could not confirm."""
+    probe = r.display_gpus
+    g = gpus[0]
+    vulkan = [d for d in (probe.vulkan or []) if d.type != "CPU"] if probe else []
+    what = f"{g.vendor.upper() if g.vendor == 'amd' else g.vendor.capitalize()} GPU {g.device_id or '?'} " \
+           f"(driver {g.driver or '?'}, {g.source})"
+    if vulkan:
+        seen = f"Vulkan sees {vulkan[0].name} ({vulkan[0].driver or '?'} driver, Vulkan {vulkan[0].api_version or '?'})"
+    elif probe and probe.vulkan is not None:
+        seen = "not verified: vulkaninfo lists no hardware Vulkan device, so install the GPU's Vulkan driver " \
+               "(Mesa's radv / anv: apt-get install mesa-vulkan-drivers) first"
+    else:
+        seen = f"not verified: no Vulkan driver confirmed ({probe.vulkan_reason if probe else 'not read'})"
+    if g.vendor == "amd" and probe and probe.rocm:
+        return Advice("llama_cpp", f"{what}: ROCm {probe.rocm} is installed, so build llama.cpp with HIP "
+                      f"(Vulkan works too: `{vulkan_build_command()}`); {seen}. Not checked by edgespec on an AMD GPU.",
+                      rocm_build_command())
+    if g.vendor == "nvidia":
+        return Advice("llama_cpp", f"{what} without NVIDIA's driver (/proc/driver/nvidia absent): install the "
+                      "driver and CUDA toolkit for the CUDA build, or run it through Vulkan with this command; "
+                      f"{seen}. Not checked by edgespec on this GPU.", vulkan_build_command())
+    return Advice("llama_cpp", f"{what}: build llama.cpp with Vulkan, as Ollama and LM Studio run these GPUs "
+                  f"(Debian/Ubuntu, from a checkout; elsewhere with Vulkan headers >= 1.3.261: `{vulkan_pip_command()}`); "
+                  f"{seen}. Not checked by edgespec on this GPU (its Vulkan path is tested on Mesa's software device).",
+                  vulkan_build_command())
+
+
 def _llama_advice(r: HardwareReport) -> list[Advice]:
     llama = r.llama_cpp
     out: list[Advice] = []
@@ -58,6 +101,10 @@ def _llama_advice(r: HardwareReport) -> list[Advice]:
         out.append(Advice("llama_cpp", f"could not ask the installed llama.cpp build what it supports: {llama.reason}"))
 
     nvidia = [g for g in r.gpus.devices]
+    # GPUs the kernel knows that NVML did not list: AMD, Intel, an NVIDIA card without NVIDIA's driver
+    consumer = [g for g in (r.display_gpus.devices if r.display_gpus else [])
+                if g.vendor in ("amd", "intel") or (g.vendor == "nvidia" and not nvidia)]
+    vk_device = offload_device(r)
     if r.jetson is not None:
         j = r.jetson
         if not offload:
@@ -87,16 +134,26 @@ def _llama_advice(r: HardwareReport) -> list[Advice]:
                 f"{r.apple.chip or 'Apple Silicon'}: rebuild llama.cpp with Metal (llama-cpp-python usually "
                 "enables it on Apple Silicon by itself; this build does not offload). Not checked by edgespec on a Mac.",
                 metal_build_command()))
+    elif consumer and not (offload and vk_device):
+        out.append(_consumer_gpu_advice(r, consumer))
     if llama.status == "not installed":
         if not out:
             out.append(Advice("llama_cpp", "llama-cpp-python is not installed: install the CPU build.",
                               cpu_build_command()))
         return out
-    if offload and (nvidia or r.apple is not None or r.jetson is not None):
-        out.append(Advice("llama_cpp", f"llama.cpp build offloads to the GPU (backends: {', '.join(llama.backends)}); "
-                          "edgespec offloads all layers unless told otherwise.",
+    gpu_found = bool(nvidia or consumer or vk_device) or r.apple is not None or r.jetson is not None
+    if offload and (nvidia or r.apple is not None or r.jetson is not None or vk_device):
+        where = f" ({vk_device['name']}: {vk_device['description']})" if vk_device and not nvidia else ""
+        seen = (r.display_gpus.vulkan or []) if r.display_gpus else []
+        software = bool(vk_device) and not nvidia and any(d.type == "CPU" and d.name == vk_device["description"]
+                                                          for d in seen)
+        caveat = (" It is a software Vulkan device that runs on the CPU (Mesa's lavapipe): good for testing the "
+                  "GPU path, slower than the CPU build; unset GGML_VK_VISIBLE_DEVICES to stop using it."
+                  if software else "")
+        out.append(Advice("llama_cpp", f"llama.cpp build offloads to the GPU{where} (backends: "
+                          f"{', '.join(llama.backends)}); edgespec offloads all layers unless told otherwise.{caveat}",
                           settings={"n_gpu_layers": -1}))
-    elif not (nvidia or r.apple is not None or r.jetson is not None) and llama.status == "ok":
+    elif not gpu_found and llama.status == "ok":
         built = parse_llama_system_info(llama.system_info or "").get("CPU", {})
         missing = [f for f, flag in (("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"))
                    if f in r.cpu.simd and built.get(flag) != "1"]
@@ -216,7 +273,8 @@ def model_need_bytes(*size_bytes: int) -> int:
 def _model_budget(r: HardwareReport) -> tuple[int | None, str]:
     kind = memory_kind(r)
     if kind == "discrete":
-        return device_memory_bytes(r), f"GPU memory of {r.gpus.devices[0].name}"
+        name = r.gpus.devices[0].name if r.gpus.devices else (offload_device(r) or {}).get("description")
+        return device_memory_bytes(r), f"GPU memory of {name}"
     if kind == "unified" and r.apple is not None:
         total = device_memory_bytes(r)
         # macOS lets Metal wire about 2/3 to 3/4 of RAM by default (recommendedMaxWorkingSetSize, not read here).
@@ -328,6 +386,18 @@ def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
         row("NVIDIA GPUs", gpus["status"] + (f": {gpus['reason']}" if gpus["reason"] else ""), gpus["source"])
     if gpus["cuda_toolkit"]:
         row("CUDA toolkit", gpus["cuda_toolkit"], gpus["cuda_toolkit_source"])
+    display = doc.get("display_gpus")
+    if display:
+        for g in display["devices"]:
+            row(f"GPU {g['card']}", f"{g['vendor']} {g['device_id']}, driver {g['driver']}"
+                + (f", {_gib(g['memory_total_bytes'])}" if g["memory_total_bytes"] else ""), g["source"])
+        if display["vulkan"] is not None:
+            row("Vulkan devices", ", ".join(f"{d['name']} ({d['type']})" for d in display["vulkan"]) or "none",
+                display["sources"].get("vulkan"))
+        else:
+            row("Vulkan devices", display["vulkan_reason"], None)
+        if display["rocm"]:
+            row("ROCm", display["rocm"], display["sources"].get("rocm"))
     apple = doc["apple"]
     if apple:
         row("Apple chip", apple["chip"], apple["sources"].get("chip"))
@@ -346,6 +416,10 @@ def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
         f"{ {True: 'yes', False: 'no', None: 'unknown'}[llama['gpu_offload']] }; backends: "
         f"{', '.join(llama['backends']) or '-'}" + (f" ({llama['reason']})" if llama["reason"] else ""),
         llama["source"])
+    for d in llama["devices"]:
+        if d["type"] != "cpu":
+            row(f"llama.cpp device {d['name']}", f"{d['description']} ({d['type']}), "
+                f"{_gib(d['memory_free_bytes'])} free of {_gib(d['memory_total_bytes'])}", "ggml_backend_dev_memory")
     ort = doc["onnxruntime"]
     row("onnxruntime", " ".join(x for x in (ort["package"] or "not installed", ort["version"]) if x) + "; "
         f"providers: {', '.join(ort['providers']) or '-'}", ort["source"])

@@ -3,8 +3,9 @@ budget is reached.
 
 The plan makes a setup fit before anything loads; the guard covers what a plan cannot see (a chat
 history growing, a server's buffers, other allocations in the process). Each round the engine calls
-`check(state)`, which samples the process's resident set (and its GPU memory through NVML where an
-NVIDIA GPU exists) and returns a cap on the draft length:
+`check(state)`, which samples the process's resident set (and, under a GPU budget, its device memory:
+through llama.cpp's own query on any backend it offloads to, else NVML) and returns a cap on the
+draft length:
 
 1. under pressure (resident set above `soft` x budget) it halves the draft length, round by round;
 2. at a draft length of 1 it drops the draft: the draft model's runtime is closed, which returns its
@@ -24,7 +25,7 @@ from edgespec.errors import EdgespecError
 from edgespec.machine.memory import current_rss, format_bytes, peak_rss
 
 if TYPE_CHECKING:
-    from edgespec.engine import SpeculativeState
+    from edgespec.state import SpeculativeState
     from edgespec.policy import Choice
 
 
@@ -32,8 +33,53 @@ class MemoryBudgetError(EdgespecError):
     """The budget would be crossed and there is nothing left to give up."""
 
 
+class DeviceMemoryWatcher:
+    """This process's memory on llama.cpp's offload devices (Vulkan, CUDA, Metal, ROCm), through llama.cpp's
+    own query (ggml_backend_dev_memory), so a --gpu-budget holds on any backend, NVML or not: the drop in
+    each device's free memory since `baseline`, its free bytes read before the models were loaded.
+
+    A driver without a memory-budget query (Vulkan without VK_EXT_memory_budget, e.g. Mesa's lavapipe)
+    reports its heap size as free, unchanging; then `allocated()` (what llama.cpp allocated on the device:
+    its model, KV and compute buffers) stands in, and `source` says so."""
+
+    def __init__(self, baseline: dict[str, tuple[int, int]] | None = None,
+                 allocated: Callable[[], int] | None = None) -> None:
+        self.baseline = device_memory() if baseline is None else dict(baseline)
+        # free == total before anything loaded: the driver reports the heap, not what is in use
+        self.tracks_usage = any(free < total for free, total in self.baseline.values())
+        self.allocated = allocated
+        self.source = "llama.cpp" if self.tracks_usage else "llama.cpp buffers"
+
+    @property
+    def available(self) -> bool:
+        return bool(self.baseline) and (self.tracks_usage or self.allocated is not None)
+
+    def used_bytes(self) -> int | None:
+        if not self.available:
+            return None
+        if not self.tracks_usage:
+            return int(self.allocated())
+        now = device_memory()
+        return sum(max(0, free - now.get(name, (free, 0))[0]) for name, (free, _) in self.baseline.items())
+
+    def close(self) -> None:
+        pass
+
+
+def device_memory() -> dict[str, tuple[int, int]]:
+    """(free, total) bytes of each device llama.cpp offloads to ({} without llama.cpp or such a device)."""
+    try:
+        from edgespec.runtimes import llamacpp
+
+        return {d["name"]: (d["memory_free_bytes"], d["memory_total_bytes"]) for d in llamacpp.offload_devices()}
+    except Exception:  # no llama.cpp, or a binding without the device API: nothing to watch this way
+        return {}
+
+
 class GpuMemoryWatcher:
     """This process's GPU memory through NVML (nvidia-ml-py), initialised once; None-valued without one."""
+
+    source = "nvml"
 
     def __init__(self) -> None:
         self._nvml = None
@@ -81,11 +127,16 @@ class MemoryGuard:
     budget_bytes: host RAM (or the unified pool) the process must stay under; gpu_budget_bytes: VRAM.
     max_draft: the plan's draft length (the cap never exceeds it; None = no cap of its own).
     release_draft: called once when the draft is dropped (closes its runtime).
+    device_baseline: (free, total) bytes per llama.cpp device before the models loaded (`device_memory()`);
+    with it (or any llama.cpp offload device) device memory is read through llama.cpp, else through NVML.
+    device_allocated: what the models allocated on the device, for drivers that report no usage.
     """
 
     def __init__(self, budget_bytes: int, *, gpu_budget_bytes: int | None = None, max_draft: int | None = None,
                  predicted_peak_bytes: int | None = None, release_draft: Callable[[], None] | None = None,
-                 soft: float = 0.97, hard: float = 0.995, watch_gpu: bool | None = None):
+                 soft: float = 0.97, hard: float = 0.995, watch_gpu: bool | None = None,
+                 device_baseline: dict[str, tuple[int, int]] | None = None,
+                 device_allocated: Callable[[], int] | None = None):
         if not 0 < soft <= hard <= 1:
             raise ValueError("need 0 < soft <= hard <= 1")
         self.budget_bytes = int(budget_bytes)
@@ -98,7 +149,13 @@ class MemoryGuard:
         self.peak_rss_bytes = 0
         self.peak_gpu_bytes: int | None = None
         want_gpu = gpu_budget_bytes is not None if watch_gpu is None else watch_gpu
-        self._gpu = GpuMemoryWatcher() if want_gpu else None
+        self._gpu = _device_watcher(device_baseline, device_allocated) if want_gpu else None
+
+    @property
+    def device_memory_source(self) -> str | None:
+        """Where device memory is read: "llama.cpp" (ggml_backend_dev_memory), "llama.cpp buffers" (its
+        allocations, where the driver reports no usage), "nvml", or None (not watched)."""
+        return self._gpu.source if self._gpu is not None and self._gpu.available else None
 
     # -- what the engine calls ------------------------------------------------------------------
 
@@ -155,6 +212,12 @@ class MemoryGuard:
     def close(self) -> None:
         if self._gpu is not None:
             self._gpu.close()
+
+
+def _device_watcher(baseline: dict[str, tuple[int, int]] | None,
+                    allocated: Callable[[], int] | None) -> "DeviceMemoryWatcher | GpuMemoryWatcher":
+    llama = DeviceMemoryWatcher(baseline, allocated)
+    return llama if llama.available else GpuMemoryWatcher()
 
 
 def cap_choice(choice: "Choice", cap: int | None) -> "Choice":

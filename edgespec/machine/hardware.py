@@ -1,4 +1,5 @@
-"""What this machine is: CPU, memory, NVIDIA GPUs, Apple Silicon, Jetson, and what the installed runtimes can use.
+"""What this machine is: CPU, memory, GPUs (NVIDIA through NVML; AMD, Intel and NVIDIA through /sys/class/drm and
+`vulkaninfo`), Apple Silicon, Jetson, and what the installed runtimes can use.
 
 Every value carries where it came from (`sources`: field -> "/proc/cpuinfo", "nvml", "sysctl hw.memsize",
 ...). A value that could not be read is None, and `unavailable` says why; nothing is guessed silently.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added display_gpus and llama_cpp.devices
 
 MemoryKind = Literal["discrete", "unified", "cpu"]
 
@@ -140,6 +141,45 @@ class LlamaCppInfo:
     build: str | None
     source: str
     reason: str | None = None
+    # ggml's devices (edgespec.runtimes.llamacpp.backend_devices): {"name": "Vulkan0", "type": "gpu", ...}
+    devices: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class DisplayGPU:
+    """A GPU the kernel's DRM driver knows (/sys/class/drm/cardN/device): any vendor, no vendor library needed."""
+
+    card: str  # "card0"
+    vendor: str  # "amd", "intel", "nvidia" or the PCI vendor id
+    vendor_id: str  # "0x1002"
+    device_id: str | None  # "0x73bf"
+    driver: str | None  # "amdgpu", "i915", "xe", "nouveau", "nvidia"
+    pci_slot: str | None  # "0000:03:00.0"
+    memory_total_bytes: int | None  # amdgpu's mem_info_vram_total; others do not say
+    source: str
+
+
+@dataclass
+class VulkanDevice:
+    """One device of `vulkaninfo --summary`."""
+
+    name: str | None  # "AMD Radeon RX 6800 (RADV NAVI21)", "llvmpipe (LLVM 15.0.6, 256 bits)"
+    type: str | None  # "DISCRETE_GPU", "INTEGRATED_GPU", "CPU", "VIRTUAL_GPU"
+    vendor_id: str | None
+    driver: str | None  # "radv", "Intel open-source Mesa driver", "llvmpipe"
+    api_version: str | None
+
+
+@dataclass
+class DisplayProbe:
+    """Consumer GPUs: what /sys/class/drm lists, what Vulkan sees, and whether ROCm is installed."""
+
+    devices: list[DisplayGPU]
+    vulkan: list[VulkanDevice] | None  # None: vulkaninfo not run (see vulkan_reason)
+    vulkan_reason: str | None
+    rocm: str | None  # ROCm's version (or "installed") where /opt/rocm or hipcc exists
+    sources: dict[str, str] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,6 +223,7 @@ class HardwareReport:
     onnxruntime: OnnxRuntimeInfo
     coreml: CoreMLInfo
     mlx: MlxInfo
+    display_gpus: DisplayProbe | None = None  # None: not read (not Linux)
 
     def to_dict(self) -> dict[str, Any]:
         """The machine as plain JSON types, plus what edgespec derives from it (key, memory kind, GPU layers)."""
@@ -817,6 +858,94 @@ def detect_jetson(root: str | Path = "/") -> JetsonInfo | None:
                       unavailable=unavailable)
 
 
+# --- consumer GPUs on Linux: /sys/class/drm and vulkaninfo ----------------------------------------
+
+PCI_VENDORS = {"0x1002": "amd", "0x8086": "intel", "0x10de": "nvidia"}
+
+
+def detect_drm_gpus(root: str | Path = "/") -> tuple[list[DisplayGPU], str | None]:
+    """GPUs of /sys/class/drm/card<N> (render-only and connector entries such as card0-DP-1 skipped):
+    (devices, None) or ([], why)."""
+    root = Path(root)
+    drm = root / "sys/class/drm"
+    if not drm.is_dir():
+        return [], "unavailable: /sys/class/drm absent (no DRM driver loaded, or not Linux)"
+    out = []
+    for card in sorted(drm.iterdir(), key=lambda p: (len(p.name), p.name)):
+        if not re.fullmatch(r"card\d+", card.name):
+            continue
+        rel = f"/sys/class/drm/{card.name}/device"
+        vendor_id, _ = _read(root, f"{rel}/vendor")
+        if vendor_id is None:
+            continue
+        vendor_id = vendor_id.strip().lower()
+        device_id, _ = _read(root, f"{rel}/device")
+        uevent, _ = _read(root, f"{rel}/uevent")
+        fields = dict(line.split("=", 1) for line in (uevent or "").splitlines() if "=" in line)
+        vram, _ = _read(root, f"{rel}/mem_info_vram_total")
+        out.append(DisplayGPU(card=card.name, vendor=PCI_VENDORS.get(vendor_id, vendor_id), vendor_id=vendor_id,
+                              device_id=device_id.strip().lower() if device_id else None,
+                              driver=fields.get("DRIVER"), pci_slot=fields.get("PCI_SLOT_NAME"),
+                              memory_total_bytes=_int(vram), source=rel))
+    return out, None
+
+
+def parse_vulkaninfo_summary(text: str) -> list[VulkanDevice]:
+    """`vulkaninfo --summary`'s "Devices:" section (GPU0: / deviceName = ... lines) -> devices."""
+    devices: list[dict[str, str]] = []
+    in_devices = False
+    for line in text.splitlines():
+        if line.strip() == "Devices:":
+            in_devices = True
+        elif in_devices and re.fullmatch(r"GPU\d+:", line.strip()):
+            devices.append({})
+        elif in_devices and devices and "=" in line:
+            k, _, v = line.partition("=")
+            devices[-1][k.strip()] = v.strip()
+    return [VulkanDevice(name=d.get("deviceName"), type=d.get("deviceType", "").replace("PHYSICAL_DEVICE_TYPE_", "")
+                         or None, vendor_id=d.get("vendorID"), driver=d.get("driverName"),
+                         api_version=d.get("apiVersion")) for d in devices]
+
+
+def detect_rocm(root: str | Path = "/") -> tuple[str | None, str | None]:
+    """(version or "installed", source) of ROCm: /opt/rocm/.info/version, else /opt/rocm or hipcc."""
+    root = Path(root)
+    text, _ = _read(root, "/opt/rocm/.info/version")
+    if text and text.strip():
+        return text.strip(), "/opt/rocm/.info/version"
+    if (root / "opt/rocm").is_dir():
+        return "installed", "/opt/rocm"
+    if root == Path("/") and shutil.which("hipcc"):
+        return "installed", "hipcc on PATH"
+    return None, None
+
+
+def detect_display_gpus(root: str | Path = "/", vulkaninfo: str | None = None) -> DisplayProbe:
+    """Consumer GPUs of any vendor. `vulkaninfo`: that command's --summary text (tests); None runs it
+    where it is installed and `root` is the real "/"."""
+    devices, why = detect_drm_gpus(root)
+    sources, unavailable = {}, {}
+    if why:
+        unavailable["devices"] = why
+    else:
+        sources["devices"] = "/sys/class/drm/card*/device (vendor, device, uevent, mem_info_vram_total)"
+    vulkan = vk_why = None
+    if vulkaninfo is None and Path(root) == Path("/"):
+        vulkaninfo, vk_why = _run(["vulkaninfo", "--summary"])
+        if vk_why and "not found" in vk_why:
+            vk_why += " (Debian/Ubuntu: apt-get install vulkan-tools)"
+    elif vulkaninfo is None:
+        vk_why = "unavailable: vulkaninfo is only run on the real machine"
+    if vulkaninfo is not None:
+        vulkan = parse_vulkaninfo_summary(vulkaninfo)
+        sources["vulkan"] = "vulkaninfo --summary"
+    rocm, rocm_src = detect_rocm(root)
+    if rocm_src:
+        sources["rocm"] = rocm_src
+    return DisplayProbe(devices=devices, vulkan=vulkan, vulkan_reason=vk_why, rocm=rocm, sources=sources,
+                        unavailable=unavailable)
+
+
 # --- runtimes ---------------------------------------------------------------------------------
 
 
@@ -857,9 +986,16 @@ def detect_llama_cpp() -> LlamaCppInfo:
                             f"unknown (llama.cpp backend_info failed: {type(exc).__name__}: {exc})")
     system_info = str(info.get("system_info", "")) or None
     backends = list(parse_llama_system_info(system_info or ""))
+    try:
+        devices = llamacpp.backend_devices()
+    except Exception:  # an older binding without the device API: the rest of the answer stands
+        devices = []
+    # llama_print_system_info names only backends with features to print (CPU, CUDA): add the devices' (Vulkan)
+    backends = list(dict.fromkeys([d["backend"] for d in devices if d.get("backend")] + backends))
     return LlamaCppInfo("ok", version, bool(info.get("gpu_offload")), backends, system_info,
                         info.get("build"), "edgespec.runtimes.llamacpp.backend_info "
-                        "(llama_supports_gpu_offload, llama_print_system_info)")
+                        "(llama_supports_gpu_offload, llama_print_system_info, ggml_backend_dev_*)",
+                        devices=devices)
 
 
 _ORT_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-silicon", "onnxruntime-directml",
@@ -953,11 +1089,24 @@ def detect(root: str | Path = "/", *, llama_cpp: bool = True, onnxruntime: bool 
         onnxruntime=ort,
         coreml=detect_coreml(system, apple.macos_version if apple else None),
         mlx=mlx_info,
+        display_gpus=detect_display_gpus(root) if system == "Linux" else None,
     )
 
 
+def offload_device(report: HardwareReport) -> dict | None:
+    """The device llama.cpp offloads to when no NVIDIA, Apple or Jetson GPU is known otherwise (a Vulkan or
+    ROCm GPU, from llama.cpp's own device list): its first GPU, else its first integrated GPU."""
+    devices = report.llama_cpp.devices
+    for kind in ("gpu", "igpu"):
+        for d in devices:
+            if d.get("type") == kind:
+                return d
+    return None
+
+
 def _has_gpu(report: HardwareReport) -> bool:
-    return bool(report.gpus.devices) or report.apple is not None or report.jetson is not None
+    return (bool(report.gpus.devices) or report.apple is not None or report.jetson is not None
+            or offload_device(report) is not None)
 
 
 def default_gpu_layers(report: HardwareReport) -> int:
@@ -983,13 +1132,18 @@ def memory_kind(report: HardwareReport, use_gpu: bool | None = None) -> MemoryKi
         return "cpu"
     if report.apple is not None or report.jetson is not None:
         return "unified"
+    # A Vulkan (or ROCm) device counts as discrete, integrated ones too: llama.cpp allocates its own
+    # buffers there, so the device gets its own budget (--gpu-budget), read from llama.cpp.
     return "discrete"
 
 
 def device_memory_bytes(report: HardwareReport, use_gpu: bool | None = None) -> int | None:
     """Memory the model runs in: the first GPU's total on a discrete GPU, else RAM (capped by a cgroup)."""
     if memory_kind(report, use_gpu) == "discrete":
-        return report.gpus.devices[0].memory_total_bytes
+        if report.gpus.devices:
+            return report.gpus.devices[0].memory_total_bytes
+        device = offload_device(report)
+        return device.get("memory_total_bytes") if device else None
     for unified in (report.apple, report.jetson):
         if unified is not None and unified.unified_memory_bytes:
             return unified.unified_memory_bytes
@@ -1002,7 +1156,7 @@ def _slug(text: str | None) -> str:
 
 def device_key(report: HardwareReport, use_gpu: bool | None = None) -> str:
     """A short stable key for what the model runs on, for profile and plan caches:
-    "cpu-avx512-2t", "cuda-NVIDIA_H200-sm90", "apple-M2", "jetson-AGX_Orin-sm87".
+    "cpu-avx512-2t", "cuda-NVIDIA_H200-sm90", "apple-M2", "jetson-AGX_Orin-sm87", "vulkan-llvmpipe_LLVM_15.0.6_256_bits".
     It names the device actually used: a GPU machine with a CPU-only llama.cpp build gets a cpu key."""
     if _uses_gpu(report, use_gpu):
         if report.apple is not None:
@@ -1012,7 +1166,11 @@ def device_key(report: HardwareReport, use_gpu: bool | None = None) -> str:
             model = re.sub(r"^NVIDIA\s+|^Jetson\s+|\s+Developer Kit$", "", model)
             model = re.sub(r"^Jetson\s+", "", model)
             return f"jetson-{_slug(model)}-sm{report.jetson.cuda_arch or 'unknown'}"
-        gpu = report.gpus.devices[0]
-        return f"cuda-{_slug(gpu.name)}-sm{gpu.sm or 'unknown'}"
+        if report.gpus.devices:
+            gpu = report.gpus.devices[0]
+            return f"cuda-{_slug(gpu.name)}-sm{gpu.sm or 'unknown'}"
+        device = offload_device(report) or {}
+        backend = (device.get("backend") or "gpu").lower()
+        return f"{backend}-{_slug(device.get('description') or device.get('name'))}"
     threads = report.cpu.usable_cores or report.cpu.logical_cores or 0
     return f"cpu-{report.cpu.simd_level}-{threads}t"

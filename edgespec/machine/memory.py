@@ -305,6 +305,13 @@ class Calibration:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+# What a GPU backend holds besides llama.cpp's buffers, (host RAM, device memory), where it differs from
+# the CUDA/Metal defaults of `Calibration`. Vulkan: the loader, the driver and llama.cpp's pipelines and
+# staging buffers. A default, not a measurement: Mesa's lavapipe, the only Vulkan device edgespec has run
+# on, reports no device usage (free == total), so only llama.cpp's own buffers could be checked there.
+GPU_RUNTIME_BYTES: dict[str | None, tuple[int, int]] = {"vulkan": (64 * MiB, 32 * MiB)}
+
+
 def build_key(build: str, system_info: str) -> str:
     """A file-name-safe key for one llama.cpp build: its version and its compiled features."""
     slug = re.sub(r"[^A-Za-z0-9.]+", "_", build).strip("_")
@@ -425,6 +432,7 @@ class Hardware:
     gpu_bytes: int | None = None
     zero_copy_weights: bool = False  # Metal maps mmap'd weights instead of copying them
     name: str = "cpu"
+    backend: str | None = None  # the GPU's llama.cpp backend where known: "vulkan" (its overheads differ from CUDA's)
 
     @classmethod
     def detect(cls, use_gpu: bool | None = None) -> "Hardware":
@@ -434,7 +442,9 @@ class Hardware:
         kind = hw.memory_kind(report, use_gpu)
         ram = report.memory.usable_bytes
         if kind == "discrete":
-            return cls("discrete", ram, hw.device_memory_bytes(report, use_gpu), False, hw.device_key(report, use_gpu))
+            key = hw.device_key(report, use_gpu)
+            return cls("discrete", ram, hw.device_memory_bytes(report, use_gpu), False, key,
+                       backend=key.split("-", 1)[0] if key.startswith("vulkan-") else None)
         if kind == "unified":
             return cls("unified", hw.device_memory_bytes(report, use_gpu), None, report.apple is not None,
                        hw.device_key(report, use_gpu))
@@ -566,6 +576,10 @@ def _model_terms(facts: ModelFacts, s: ModelSettings, cal: Calibration, hw: Hard
         host[f"{prefix}.weights_repacked"] = sum(t.nbytes for t in packed)
     if on_gpu and not zero_copy:
         dev[f"{prefix}.weights"] = sum(t.nbytes for t in on_gpu)
+        if not any(t.name.startswith("output.weight") for t in facts.tensors):
+            # tied embeddings: llama.cpp loads token_embd a second time as the output matrix, on the output
+            # layer's device (the CPU copy stays for the embedding lookup)
+            dev[f"{prefix}.weights"] += sum(t.nbytes for t in facts.tensors if t.name.startswith("token_embd"))
 
     gpu_layers = sum(1 for il in range(facts.n_layer) if facts.placement(
         TensorInfo(f"blk.{il}.x", "F32", 1, 1, 0, 0), ngl) == "gpu")
@@ -581,7 +595,10 @@ def _model_terms(facts: ModelFacts, s: ModelSettings, cal: Calibration, hw: Hard
     if not on_gpu:
         host[f"{prefix}.compute"] = compute
     elif all_on_gpu:
-        dev[f"{prefix}.compute"] = compute
+        # The embedding-wide input rows of the graph stay in the host's compute buffer (the token lookup
+        # runs on the CPU): 3 rows per token without flash attention, 2 with (measured with llama.cpp's
+        # Vulkan backend, bench/VULKAN_RESULTS.md; not yet checked on CUDA or Metal).
+        dev[f"{prefix}.compute"] = compute - 4 * s.n_batch * facts.n_embd * (2 if s.flash_attn is not False else 3)
         host[f"{prefix}.compute"] = 4 * s.n_batch * facts.n_embd * 2  # token embeddings, read on the CPU
     else:
         dev[f"{prefix}.compute"] = compute
@@ -602,8 +619,8 @@ def predict(setup: Setup, cal: Calibration, *, base_bytes: int | None = None) ->
     uses_gpu = hw.kind != "cpu" and (setup.target_settings.n_gpu_layers != 0 or (
         setup.draft_settings is not None and setup.draft is not None and setup.draft_settings.n_gpu_layers != 0))
     if uses_gpu:
-        host["gpu_runtime"] = cal.gpu_host_bytes
-        dev["gpu_runtime"] = cal.gpu_device_bytes
+        host["gpu_runtime"], dev["gpu_runtime"] = GPU_RUNTIME_BYTES.get(
+            hw.backend, (cal.gpu_host_bytes, cal.gpu_device_bytes))
 
     t_host, t_dev, t_transient = _model_terms(setup.target, setup.target_settings, cal, hw, "target")
     phases = {"load_target": sum(host.values()) + _steady_load(t_host) + t_transient}

@@ -345,7 +345,7 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
     """
     from edgespec import loader
     from edgespec.engine import Engine
-    from edgespec.machine.guard import MemoryGuard
+    from edgespec.machine.guard import MemoryGuard, device_memory
     from edgespec.machine.memory import current_rss, parse_size
     from edgespec.runtimes import llamacpp
 
@@ -365,12 +365,15 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
         raise EdgespecError(f"a budget of {format_bytes(budget_b)} leaves no room for the draft model; "
                             "raise --budget or drop --mode draft")
     t_opts, d_opts = _runtime_options(s, n_threads, verbose)
+    device_baseline = device_memory() if hw.kind == "discrete" else None  # before the models take their share
     target_rt, draft_rt = loader.open_llamacpp_pair(target_path, t_opts, draft_path if s.draft else None, d_opts)
     try:
         holder: dict = {}
         guard = MemoryGuard(budget_b, gpu_budget_bytes=the_plan.gpu_budget_bytes if hw.kind == "discrete" else None,
                             max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes,
-                            release_draft=(lambda: release_draft(holder["engine"])) if draft_rt else None)
+                            release_draft=(lambda: release_draft(holder["engine"])) if draft_rt else None,
+                            device_baseline=device_baseline,
+                            device_allocated=lambda: _device_bytes(holder["engine"]))
         engine = Engine(target_rt, draft_rt, memory_guard=guard)
         holder["engine"] = engine
     except BaseException:
@@ -429,6 +432,11 @@ def _runtime_options(s: PlanSettings, n_threads: int | None, verbose: bool):
     draft = s.draft_settings()
     return (LlamaCppOptions(n_threads=n_threads, verbose=verbose, **s.target_settings().runtime_options()),
             LlamaCppOptions(n_threads=n_threads, verbose=verbose, **draft.runtime_options()) if draft else None)
+
+
+def _device_bytes(engine) -> int:
+    """What llama.cpp allocated on offload devices for an engine's models (the draft's until it is dropped)."""
+    return sum(sum(rt.device_buffers().values()) for rt in (engine.target, engine.draft_runtime) if rt is not None)
 
 
 def release_draft(engine) -> None:

@@ -157,7 +157,8 @@ def profile_key(target: Runtime, draft: Runtime | None, device: str) -> dict:
     def runtime_key(rt: Runtime) -> dict:
         key = rt.compatibility_key() if ModelIdentity in rt.capabilities else {"name": rt.name}
         sizing = rt.sizing
-        return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max}
+        offload = {"gpu_layers": sizing.n_gpu_layers} if sizing.n_gpu_layers else {}  # CPU keys stay as they were
+        return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max, **offload}
     return {"version": PROFILE_VERSION, "device": device, "target": runtime_key(target),
             "draft": runtime_key(draft) if draft is not None else None}
 

@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal, Sequence
 
 from fastapi import Depends, FastAPI, Request
@@ -38,6 +38,9 @@ from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.serve.prefix_cache import PrefixCache
 from edgespec.runtimes.base import SavedState
 from edgespec.serve.slots import ParallelEngine, SlotScheduler, StepFailedError
+from edgespec.structured import Constraint, ConstraintError
+from edgespec.tools import (Tool, ToolError, history_message, parse_tool_calls, parse_tools, resolve_choice,
+                            template_renders_tools, tool_constraint, tool_note)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ def check_bind(host: str, port: int, api_keys: Sequence[str]) -> None:
 # --- requests ---------------------------------------------------------------------------------
 
 class _Request(BaseModel):
-    """Fields both endpoints take. Unknown fields are ignored, as OpenAI-compatible servers do."""
+    """Fields both endpoints take. A field not declared here is refused with a 400 naming it (see
+    `_Service.parse`): a client asking for audio, n > 1 or anything else we do not do is told so."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -95,6 +99,9 @@ class _Request(BaseModel):
     top_k: int = Field(40, ge=0)               # extension (llama.cpp's default)
     min_p: float = Field(0.05, ge=0.0, lt=1.0)  # extension (llama.cpp's default)
     repeat_penalty: float = Field(1.0, gt=0.0)  # extension
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
@@ -116,9 +123,14 @@ class _TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    # Extra fields are let through here: clients send back the assistant messages they received
+    # (refusal, annotations, audio: null), and the template ignores what it does not know.
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None                 # a tool result: the call it answers
+    name: str | None = None
 
 
 class ChatRequest(_Request):
@@ -126,6 +138,10 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None   # text | json_object | json_schema (strict or not: enforced)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class ApiError(Exception):
@@ -198,10 +214,12 @@ class _Service:
                                 f"{self.config.model_id!r} (see /v1/models)", code="model_not_found", param="model")
         if req.n != 1:
             raise ApiError(400, "n must be 1: this server generates one choice per request", param="n")
+        for name in req.model_extra or {}:
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
         return req
 
     def generation_config(self, req: _Request, n_prompt: int, max_tokens: int | None,
-                          logprobs: int | None) -> GenerationConfig:
+                          logprobs: int | None, constraint: Constraint | None = None) -> GenerationConfig:
         n_ctx = self.engine.target.n_ctx
         room = n_ctx - n_prompt
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
@@ -217,12 +235,49 @@ class _Service:
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         try:
+            bias = tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items())
+        except ValueError:
+            raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        if any(not 0 <= t < self.engine.target.vocab.n_vocab for t, _ in bias):
+            raise ApiError(400, f"logit_bias token ids must be in [0, {self.engine.target.vocab.n_vocab})",
+                           param="logit_bias")
+        try:
             return GenerationConfig(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, min_p=req.min_p, repeat_penalty=req.repeat_penalty,
-                                    seed=req.seed, stop=stop, mode=self.config.mode,
-                                    draft_max=self.config.draft_max, logprobs=logprobs)
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    logit_bias=bias, seed=req.seed, stop=stop, mode=self.config.mode,
+                                    draft_max=self.config.draft_max, logprobs=logprobs, constraint=constraint)
         except EdgespecError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from None
+
+    def chat_answer(self, req: "ChatRequest") -> tuple[Constraint | None, list[Tool], "str | Tool | None"]:
+        """What the answer must match (response_format, or the tools under tool_choice), the tools, and
+        the tool choice (None: no tool calls)."""
+        try:
+            tools = parse_tools(req.tools or [])
+            choice = resolve_choice(tools, req.tool_choice)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        fmt = req.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "response_format type must be text, json_object or json_schema", param="response_format")
+        if choice is not None and kind != "text":
+            raise ApiError(400, "response_format together with tools is not supported yet", param="response_format")
+        try:
+            if choice is not None:
+                return tool_constraint(tools, choice, req.parallel_tool_calls), tools, choice
+            if kind == "json_object":
+                return Constraint.json_object(), tools, None
+            if kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                    raise ApiError(400, "response_format.json_schema must be {'name': ..., 'schema': {...}}",
+                                   param="response_format.json_schema")
+                return Constraint.json_schema(spec.get("schema", {})), tools, None
+        except ConstraintError as exc:
+            raise ApiError(400, str(exc), param="response_format" if choice is None else "tools") from None
+        return None, tools, None
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -239,7 +294,10 @@ class _Service:
             prompt = prompt[0]
         return self._tokens(prompt, raw=True)
 
-    def chat_prompt(self, req: ChatRequest) -> list[int]:
+    def chat_prompt(self, req: ChatRequest, tools: list[Tool] = (), choice: "str | Tool | None" = None) -> list[int]:
+        """The messages through the model's chat template, with the tools (OpenAI's dicts) when a call may
+        be made; a template that ignores tools gets a system note describing them."""
+        renders_tools = template_renders_tools(self.engine.target.chat_template())
         messages = []
         for m in req.messages:
             if isinstance(m.content, list):
@@ -248,12 +306,21 @@ class _Service:
                 content = "".join(p.text for p in m.content)
             else:
                 content = m.content or ""
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        return self._tokens(messages, raw=False)
+            message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            message.update({k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
+                                              ("name", m.name)) if v is not None})
+            messages.append(history_message(message, renders_tools))
+        if choice is not None and (not renders_tools or choice != "auto"):
+            note = tool_note(tools, choice)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}
+            else:
+                messages.insert(0, {"role": "system", "content": note})
+        return self._tokens(messages, raw=False, tools=req.tools if choice is not None else None)
 
-    def _tokens(self, prompt, raw: bool) -> list[int]:
+    def _tokens(self, prompt, raw: bool, tools: list | None = None) -> list[int]:
         try:
-            ids = self.engine.prompt_tokens(prompt, raw=raw)
+            ids = self.engine.prompt_tokens(prompt, raw=raw, tools=tools)
         except EdgespecError as exc:
             raise ApiError(400, str(exc), param="prompt" if raw else "messages") from None
         if not ids:
@@ -409,10 +476,12 @@ async def completions(request: Request, service: _Service = Depends(authorized))
 
 async def chat_completions(request: Request, service: _Service = Depends(authorized)):
     req: ChatRequest = await service.parse(request, ChatRequest)
-    prompt_ids = service.chat_prompt(req)
+    constraint, tools, choice = service.chat_answer(req)
+    prompt_ids = service.chat_prompt(req, tools, choice)
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return await _generate(request, service, req, prompt_ids, max_tokens, _ChatStyle(service, n_top))
+    return await _generate(request, service, req, prompt_ids, max_tokens,
+                           _ChatStyle(service, n_top, tools if choice is not None else []), constraint)
 
 
 # --- one generation, answered whole or as server-sent events ------------------------------------
@@ -442,6 +511,13 @@ class _CompletionStyle:
     def end(self) -> dict:
         return {"text": "", "logprobs": None}
 
+    def held(self, result: GenerationResult) -> list[dict]:
+        """Streamed choices held back until the end (none here)."""
+        return []
+
+    def finish(self, result: GenerationResult) -> str:
+        return _finish(result)
+
     def whole(self, result: GenerationResult) -> dict:
         lp = None
         if self.logprobs is not None:
@@ -454,18 +530,46 @@ class _ChatStyle(_CompletionStyle):
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, service: _Service, logprobs: int | None, tools: list[Tool] = ()):
+        super().__init__(service, logprobs)
+        self.tools = list(tools)  # tools a call may be made to: an answer that is a call becomes tool_calls
+        self._held: list[str] | None = [] if self.tools else None  # text held while it may be a call
+
     def opening(self) -> dict | None:
         return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
 
-    def delta(self, piece) -> dict:
+    def delta(self, piece) -> dict | None:
+        if self._held is not None:  # a call starts with '{' or '<tool_call>': hold text until it cannot be one
+            self._held.append(piece.text)
+            text = "".join(self._held).lstrip()
+            if not text or text[0] in "{<":
+                return None
+            piece, self._held = replace(piece, text="".join(self._held)), None
         lp = self.service.chat_logprobs(piece.logprobs) if self.logprobs is not None else None
         return {"delta": {"content": piece.text}, "logprobs": lp}
+
+    def calls(self, result: GenerationResult) -> list[dict] | None:
+        return parse_tool_calls(result.text, self.tools) if self.tools else None
+
+    def held(self, result: GenerationResult) -> list[dict]:
+        if self._held is None:
+            return []
+        calls = self.calls(result)
+        if calls is None:
+            return [{"delta": {"content": "".join(self._held)}, "logprobs": None}] if self._held else []
+        return [{"delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, "logprobs": None}]
+
+    def finish(self, result: GenerationResult) -> str:
+        return "tool_calls" if self.calls(result) is not None else _finish(result)
 
     def end(self) -> dict:
         return {"delta": {}, "logprobs": None}
 
     def whole(self, result: GenerationResult) -> dict:
         lp = self.service.chat_logprobs(self.service.visible_logprobs(result)) if self.logprobs is not None else None
+        calls = self.calls(result)
+        if calls is not None:
+            return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "logprobs": lp}
         return {"message": {"role": "assistant", "content": result.text}, "logprobs": lp}
 
 
@@ -474,9 +578,9 @@ def _choice(fields: dict, finish_reason: str | None = None) -> dict:
 
 
 async def _generate(request: Request, service: _Service, req: _Request, prompt_ids: list[int],
-                    max_tokens: int | None, style: _CompletionStyle):
+                    max_tokens: int | None, style: _CompletionStyle, constraint: Constraint | None = None):
     """Queue the generation; answer it as events (`req.stream`) or whole once it ends."""
-    gen_config = service.generation_config(req, len(prompt_ids), max_tokens, style.logprobs)
+    gen_config = service.generation_config(req, len(prompt_ids), max_tokens, style.logprobs, constraint)
     gen = service.submit(prompt_ids, gen_config)
     head = {"id": f"{style.id_prefix}-{uuid.uuid4().hex}", "object": style.object, "created": int(time.time()),
             "model": service.config.model_id, "system_fingerprint": service.fingerprint}
@@ -488,7 +592,7 @@ async def _generate(request: Request, service: _Service, req: _Request, prompt_i
     result = await _run_to_end(request, gen)
     if result is None:
         return Response(status_code=499)
-    return {**head, "choices": [_choice(style.whole(result), _finish(result))],
+    return {**head, "choices": [_choice(style.whole(result), style.finish(result))],
             "usage": service.usage(result), "edgespec": service.extension(gen, result)}
 
 
@@ -502,9 +606,13 @@ async def _events(service: _Service, gen: AsyncGeneration, head: dict, style: _C
         try:
             async for piece in gen:
                 if piece.text or piece.logprobs:
-                    yield _event({**head, "choices": [_choice(style.delta(piece))]})
+                    fields = style.delta(piece)
+                    if fields is not None:
+                        yield _event({**head, "choices": [_choice(fields)]})
             result = gen.result
-            yield _event({**head, "choices": [_choice(style.end(), _finish(result))],
+            for fields in style.held(result):
+                yield _event({**head, "choices": [_choice(fields)]})
+            yield _event({**head, "choices": [_choice(style.end(), style.finish(result))],
                           "usage": service.usage(result), "edgespec": service.extension(gen, result)})
             if include_usage:
                 yield _event({**head, "choices": [], "usage": service.usage(result)})
