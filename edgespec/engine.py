@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from edgespec.audit import Recorder
 from edgespec.chat import Message, render_chat
 from edgespec.detokenize import Detokenizer, GenerationResult, TokenLogprob
 from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources, lead_with
@@ -143,6 +144,7 @@ class Engine:
         self.drafters: dict[str, Drafter] = {}  # by name: the table's drafters these models allow (use_history)
         self.use_history(history if history is not None else SuffixHistory())
         self._profile = None
+        self.recorder: Recorder | None = None  # records every verify pass (edgespec.audit); off by default
 
     def use_history(self, history: SuffixHistory) -> None:
         """Earlier generations' outputs, which suffix drafting copies from (see edgespec.drafters.suffix);
@@ -315,6 +317,8 @@ class Engine:
         """Accept a prefix of the draft by the target's rows of the pass; roll its KV back to it."""
         rows = state.sampler.rows(logits, state.committed, draft.tokens)
         verify = verifier or (accept_greedy if state.sampler.params.greedy else accept_sampling)
+        if self.recorder is not None:
+            verify = self.recorder.engine_rule(verify, state, logits, self.target)
         n_accepted, token = verify(draft.tokens, draft.probs, rows, state.sampler.rng)
         self.target.truncate(state.n + n_accepted)  # keep the last token and the accepted drafts
         return Verification(draft, n_accepted, token, logits)
@@ -338,6 +342,8 @@ class Engine:
                 j = int(parents[j])
             rows[i] = state.sampler.rows(logits[i:i + 1], state.committed, np.asarray(path[::-1], dtype=np.int32))[0]
         verify = accept_tree_greedy if state.sampler.params.greedy else accept_tree_sampling
+        if self.recorder is not None:
+            verify = self.recorder.engine_rule(verify, state, logits, self.target, tree_lead=unseen[:lead])
         path, token = verify(nodes, parents, rows, state.sampler.rng)
         self.target.keep_tree_path(list(range(lead)) + [lead + i for i in path])
         state.stats.verify_s += time.perf_counter() - t

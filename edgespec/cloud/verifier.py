@@ -126,6 +126,7 @@ class VerifierCore:
         # they name, as (deadline, job) by session id; and those released for the next pass.
         self._waiting: dict[str, list[tuple[float, _Job]]] = {}
         self._ready: list[_Job] = []
+        self.recorder = None  # an edgespec.audit.Recorder records every verify pass; off by default
         self._thread = threading.Thread(target=self._run, name="edgespec-verifier", daemon=True)
         self._thread.start()
 
@@ -384,10 +385,14 @@ class VerifierCore:
         committed = np.asarray(session.tokens, dtype=np.int32)
         rows = session.sampler.rows(logits, committed, req.draft)
         if session.sampler.params.greedy:
-            n, token = accept_greedy(req.draft, None, rows)
+            rule, q, rng = accept_greedy, None, None
         else:
             q = None if req.probs is None else req.probs.dense(self.limits.n_vocab)
-            n, token = accept_sampling(req.draft, q, rows, np.random.default_rng([session.seed, n_past]))
+            rule, rng = accept_sampling, np.random.default_rng([session.seed, n_past])
+        if self.recorder is not None:
+            rule = self.recorder.rule(rule, key=session.id, committed=committed, logits=logits, seq=session.seq,
+                                      held=self.runtime.seq_tokens(session.seq), greedy=rng is None)
+        n, token = rule(req.draft, q, rows, rng)
         self.runtime.seq_truncate(session.seq, n_past + n)  # KV: old last token plus the accepted drafts
         session.tokens += req.draft[:n].tolist() + [int(token)]
         session.revision += 1
