@@ -127,9 +127,9 @@ class CloudStats(GenerationStats):
     uplink_mbit_s: float = 0.0
     gate: dict = field(default_factory=dict)
 
-    def record_round(self, drafter: str, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, drafter: str, n_drafted: int, n_accepted: int, **forced) -> None:
         if drafter != OFFLINE:  # local plain decoding is not a verification
-            super().record_round(drafter, n_drafted, n_accepted)
+            super().record_round(drafter, n_drafted, n_accepted, **forced)
 
     def to_dict(self) -> dict:
         d = super().to_dict()
