@@ -145,7 +145,7 @@ class Recorder:
         tree = tree_lead is not None
         held = np.concatenate([target.tokens, tree_lead]) if tree else target.tokens
         return self.rule(rule, key=state, committed=state.committed, logits=logits, held=held,
-                         seq=getattr(target, "seq", 0), greedy=state.sampler.params.greedy, tree=tree)
+                         seq=target.seq, greedy=state.sampler.params.greedy, tree=tree)
 
     def by_key(self) -> dict[Hashable, list[VerifyPass]]:
         """The passes of each generation, in order (keyed by identity where the key is not hashable;

@@ -71,6 +71,7 @@ class Runtime(Protocol):
     n_ctx: int
     vocab: VocabInfo
     capabilities: frozenset[type]  # the optional protocols below that this runtime implements
+    seq: int                       # the sequence id its KV sits under in its context (0 unless shared)
 
     @property
     def sizing(self) -> Sizing: ...
@@ -191,6 +192,7 @@ class TokenSequence:
     checks an append or a rollback makes before the runtime touches its KV."""
 
     n_ctx: int
+    seq = 0  # alone in its context
 
     def _start_sequence(self, n_ctx: int) -> None:
         self._tokens = np.zeros(n_ctx, dtype=np.int32)  # ids whose KV is held
