@@ -43,8 +43,8 @@ class StandInRuntime:
         self.loaded = (blob, list(tokens))
 
 
-def _payload(v: int) -> bytes:  # a "model" for the store: 8 MB and a bit
-    return _blob(v, 8 << 20)
+def _payload(v: int) -> bytes:  # a "model" for the store: its version number, then 8 MB and a bit
+    return v.to_bytes(4, "little") + _blob(v, 8 << 20)
 
 
 def _entry(v: int):
@@ -139,7 +139,7 @@ def check(kind: str, root: Path) -> int | None:
         if not path.exists():
             return None
         data = path.read_bytes()
-        v = data[0]
+        v = int.from_bytes(data[:4], "little")
         assert data == _payload(v), f"the model under its final name is partial ({len(data)} bytes)"
         return v
     if kind == "export":
