@@ -65,6 +65,8 @@ export class GenerationStats {
       generated: this.generated,
       drafted: this.drafted,
       accepted: this.accepted,
+      forced: 0, // tokens a grammar forced: the kit has no constraints (Python's edgespec.structured)
+      forced_accepted: 0,
       acceptance_rate: r(this.acceptanceRate, 4),
       mean_accepted_length: r(this.meanAcceptedLength, 4),
       per_position_acceptance: this.draftedAt.map((d, i) => r(this.acceptedAt[i] / Math.max(d, 1), 4)),
