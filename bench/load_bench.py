@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -26,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from edgespec.bench import serve_bench
 
 BEHAVIOURS = ("whole", "stream", "slow", "vanish")  # client i behaves as BEHAVIOURS[i % 4]
 REFUSED = (429, 503)   # busy: refused at once, with Retry-After and a JSON reason
@@ -160,42 +160,12 @@ def problems(outcomes: list[Outcome], allowed: tuple[int, ...] = (200, *REFUSED)
 
 # --- the servers, on loopback -----------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
-def running(args: list[str], health: str, log: Path, timeout_s: float = 180.0):
-    """`edgespec serve ARGS` on a free loopback port until the block ends; yields its URL."""
-    port = free_port()
-    with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), *args], stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, "EDGESPEC_DEBUG": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + health, timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server never became healthy: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
+def running(args: list[str], health: str, log: Path):
+    """`edgespec serve ARGS` on a free loopback port until the block ends; yields its URL (serve_bench's lifecycle)."""
+    cmd = [sys.executable, "-m", "edgespec.cli", "serve", "--host", "127.0.0.1", "--port", "{port}", *args]
+    with serve_bench.running(cmd, log, health) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
