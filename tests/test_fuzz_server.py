@@ -9,10 +9,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+import schemathesis
 
 from test_server import MODEL, post, running_server
-
-schemathesis = pytest.importorskip("schemathesis")
 
 MAX_TOKENS = 4        # every accepted request generates at most this much, so the fuzzing stays fast
 FUZZ_SEED = 25

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -27,8 +28,6 @@ from edgespec.verify import accept_sampling
 from lossless import compare_greedy
 from test_lossless_sampling import ALPHA, PROMPT, chi_square_pvalue
 from test_onnx_runtime import exported  # noqa: F401  (a session fixture: the tiny checkpoints on ONNX and GGUF)
-
-jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMA = {
     "type": "object",
