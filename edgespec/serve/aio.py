@@ -150,6 +150,16 @@ class Submitter:
     """`stream` and `generate` over a `submit(prompt_ids, config, timeout=) -> AsyncGeneration`,
     shared by the one-at-a-time AsyncEngine and the parallel slots' scheduler."""
 
+    def _start_worker(self, name: str) -> None:
+        """The job queue, the in-flight count and the worker thread (running `self._work`) both kinds keep."""
+        self._jobs: queue.Queue = queue.Queue()
+        self._inflight = 0  # submitted and not finished: the running ones plus those waiting
+        self._count_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
     async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
                      timeout: float | None = None) -> AsyncIterator[Piece]:
         """Pieces of one generation; breaking out of the loop cancels it."""
@@ -186,13 +196,7 @@ class AsyncEngine(Submitter):
         self.reuse_prefix = reuse_prefix
         self.counters = {"completed": 0, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 0}
         self.running: AsyncGeneration | None = None
-        self._jobs: queue.Queue = queue.Queue()
-        self._inflight = 0  # submitted and not finished: the running one plus those waiting
-        self._count_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="edgespec-engine", daemon=True)
-        self._thread.start()
+        self._start_worker("edgespec-engine")
 
     @property
     def waiting(self) -> int:

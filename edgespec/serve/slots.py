@@ -27,9 +27,7 @@ once and its own pool of the same shape. Python state per slot is O(prompt + max
 
 from __future__ import annotations
 
-import itertools
 import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -177,13 +175,7 @@ class SlotScheduler(Submitter):
                          "mixed_steps": 0}
         self._profile = engine.front._profile
         self._last_rows = 0
-        self._jobs: queue.Queue = queue.Queue()
-        self._inflight = 0
-        self._count_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="edgespec-slots", daemon=True)
-        self._thread.start()
+        self._start_worker("edgespec-slots")
 
     # -- any thread -------------------------------------------------------------------------------
 
