@@ -5,7 +5,7 @@
 Benches race edgespec against `llama-bench`, `llama-completion` (the non-interactive CLI), `llama-server`, `llama-speculative-simple` and
 `llama-lookup` built from exactly the llama.cpp that edgespec runs through llama-cpp-python, with the same
 CPU flags (AMX off, as scripts/install.sh builds it; see the README). The sdist comes from the package
-registry through `pip download`; the build is cached under ~/.cache/edgespec/llama-tools/<key>/bin, keyed
+registry (edgespec.exporters.llama_source fetches and keeps it unpacked); the build is cached under ~/.cache/edgespec/llama-tools/<key>/bin, keyed
 by version, flags and machine, so only the first call pays its minutes (about 5 on 2 cores).
 """
 
@@ -17,11 +17,11 @@ import platform
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "0.3.36"
+from edgespec.exporters.llama_source import LLAMA_CPP_PYTHON, llama_cpp_source
+
 TOOLS = ("llama-bench", "llama-completion", "llama-server", "llama-speculative-simple", "llama-lookup")
 NO_AMX = "-U__AMX_INT8__ -U__AMX_TILE__ -U__AMX_BF16__"  # as scripts/install.sh: AMX matmul crashes here
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
@@ -41,16 +41,9 @@ def ensure_tools(needed: tuple[str, ...] = TOOLS, log=sys.stderr) -> Path:
         return bin_dir
     if shutil.which("cmake") is None:
         raise RuntimeError("building llama.cpp's tools needs cmake (apt-get install cmake)")
+    source = llama_cpp_source(LLAMA_CPP_PYTHON, log)
     with tempfile.TemporaryDirectory(prefix="llama-tools-") as tmp:
         tmp = Path(tmp)
-        print(f"fetching the llama-cpp-python {LLAMA_CPP_PYTHON} sdist", file=log)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-python",
-                        "-d", str(tmp), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
-                       check=True)
-        sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        source = next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = tmp / "build"
         print(f"building {', '.join(TOOLS)} (minutes)", file=log)
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], check=True,
