@@ -32,7 +32,8 @@ app = typer.Typer(
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
 TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
-               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL}]")
+               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL} with its catalog draft; "
+               "smollm2-135m is the 98 MB choice]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
@@ -336,7 +337,7 @@ def models_list() -> None:
         )
     console = Console()
     console.print(table)
-    console.print(f"default model: {catalog.DEFAULT_MODEL}")
+    console.print(f"default model: {catalog.DEFAULT_MODEL} with draft {catalog.get(catalog.DEFAULT_MODEL).draft}")
     console.print(f"total disk use: {_bytes_h(sum(on_disk.values()))}")
     others = [m for m in store.installed() if m["source"] != "catalog"]
     if others:  # what the HF cache, Ollama and LM Studio hold: each name runs in place
@@ -690,7 +691,10 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
     options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file, max_inflight=in_flight)
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
-    with CloudEdgeClient.load(draft or DEFAULT_MODEL, options, n_ctx=ctx, n_threads=threads,
+    from edgespec.loader import choose_draft
+
+    # Nothing named: the edge drafts with the default model's draft (the verifier's default is its target).
+    with CloudEdgeClient.load(draft or choose_draft(None, None), options, n_ctx=ctx, n_threads=threads,
                               n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
         _print_stream(client.stream(prompt, config), as_json)
 

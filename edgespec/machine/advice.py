@@ -255,6 +255,12 @@ def _catalog() -> list[Any] | None:
         return None
 
 
+def _default_model() -> str:
+    from edgespec.models import catalog
+
+    return catalog.DEFAULT_MODEL
+
+
 def _recommended_pair(budget: int) -> tuple[Any, int] | None:
     """(pair, predicted peak) of the largest recommended pair (models/pairs.json) within the budget."""
     try:
@@ -309,8 +315,10 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
     recommended = _recommended_pair(budget)
     if recommended is not None:
         pair, need = recommended
+        default = " (the default: what `edgespec generate` runs when no model is named)" if pair.target.source == (
+            _default_model()) else ""
         return [Advice(
-            "models", f"the largest recommended pair that fits is {pair.target.name} with draft {pair.draft.name} "
+            "models", f"the largest recommended pair that fits is {pair.target.name} with draft {pair.draft.name}{default} "
             f"({_gib(need)} predicted by the memory planner at a 4096-token context, of {_gib(budget)} {what}); "
             f"{why_mode}. Fetch it, then run it:",
             f"{pair.pull_command()} && {pair.run_command()} --mode auto",
@@ -330,8 +338,9 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
         need = model_need_bytes(entry.size_bytes)
         if need <= budget:
             return [Advice(
-                "models", f"no catalog pair fits {_gib(budget)} {what}; {entry.name} alone does "
-                f"({_gib(need)}): use prompt lookup drafting.",
+                "models", f"no catalog pair fits {_gib(budget)} {what}, not even the default ({_default_model()} "
+                f"with its draft, which `edgespec generate` loads when no model is named); {entry.name} alone does "
+                f"({_gib(need)}): name it and use prompt lookup drafting.",
                 f'edgespec generate "..." --target {entry.name} --mode lookup',
                 {"target": entry.name, "draft": None, "mode": "lookup", "n_gpu_layers": gpu_layers,
                  "n_threads": threads, "need_bytes": need, "budget_bytes": budget})]
