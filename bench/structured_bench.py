@@ -495,8 +495,10 @@ def parse_args(argv):
     args.repeats = args.repeats or (1 if smoke else 3)
     args.limit = args.limit or (1 if smoke else None)
     args.max_tokens = args.max_tokens or (48 if smoke else None)
+    # The server logs and runs.jsonl (kept as the run goes): beside a report given with --out, else in
+    # bench/out/ (ignored by git), never beside the committed results file.
+    args.out_dir = (args.out.parent if args.out else Path("bench/out")) / "structured-runs"
     args.out = args.out or Path("bench/out/structured-smoke.md" if smoke else "bench/STRUCTURED_RESULTS.md")
-    args.out_dir = args.out.parent / (args.out.stem.lower() + "-runs")
     args.systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.threads is None:
         import psutil
