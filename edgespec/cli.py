@@ -168,8 +168,6 @@ def generate(
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
     if verifier:
-        if config.constraint is not None:
-            raise EdgespecError("--json-schema, --grammar and --regex are not supported with --verifier yet")
         if runtime != "llamacpp":
             raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,

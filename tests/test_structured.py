@@ -13,6 +13,7 @@ token and accepts drafts by the unmasked rows (what engines do when the grammar 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
@@ -562,3 +563,55 @@ def test_constrained_requests_under_parallel_equal_their_solo_answers(tiny_pair)
                 valid += 1
     assert valid >= 3, "too few complete JSON answers to check"
     assert sum(r.stats.drafted for r in results) > 0 and sum(r.stats.forced for r in results) > 0
+
+
+# --- cloud-edge: the verifier applies the same constraint --------------------------------------------
+
+from test_exactness import audited_verifier, tiny  # noqa: E402,F401  (fixtures: `serve --verifier` in this process)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_constrained_cloud_edge_equals_constrained_local_plain(tiny_pair, audited_verifier, pipelined):
+    """The client sends the constraint when it opens the session; the verifier builds its own grammar
+    and masks its verify rows as the engine does, the device masks its draft rows: the output equals
+    constrained plain decoding here, every verify pass is the rule's on its recorded rows."""
+    from edgespec.audit import check_decisions
+    from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
+
+    core, url, key = audited_verifier
+    gate = Gate(token_threshold=0.0, product_threshold=0.0, max_block=4)
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512)) as local, \
+            CloudEdgeClient(load_runtime(tiny_pair["good_draft"], n_ctx=512),
+                            CloudOptions(url, api_key=key, tune=False, pipelined=pipelined, gate=gate)) as client:
+        for constraint in (CONSTRAINTS["schema"], tools_constraint(), CONSTRAINTS["gbnf"]):
+            config = GenerationConfig(max_tokens=64, temperature=0, constraint=constraint)
+            plain = local.generate_tokens(PROMPT, replace(config, mode="ar"))
+            core.recorder.passes.clear()
+            cloud = client.generate_tokens(PROMPT, config)
+            assert cloud.stats.offline_tokens == 0 and cloud.stats.drafted > 0
+            assert cloud.tokens == plain.tokens, f"{constraint.kind}: {text_of(local, cloud.tokens)!r}"
+            check_decisions(list(core.recorder.passes), PROMPT, cloud.tokens)
+            assert cloud.finish_reason == "stop" or constraint is not CONSTRAINTS["schema"]
+            if constraint.kind == "json_schema" and cloud.finish_reason == "stop":
+                jsonschema.validate(json.loads(text_of(local, cloud.tokens)), json.loads(constraint.source))
+
+
+@pytest.mark.parametrize("constraint,says", [
+    ({"kind": "json_schema", "source": '{"type": "foo"}', "start": 3}, "invalid json schema"),
+    ({"kind": "regex", "source": r"[^\s\S]", "start": 3}, "admits no output"),
+    ({"kind": "yaml", "source": "", "start": 3}, "constraint.kind"),
+    ({"kind": "regex", "source": "[0-9]+", "start": 1}, "do not follow"),  # the history after start is letters
+])
+def test_the_verifier_refuses_a_bad_constraint_in_its_own_words(audited_verifier, constraint, says):
+    import httpx
+
+    from edgespec.cloud.protocol import CONTENT_TYPE, SessionRequest, pack, unpack
+    from edgespec.sampling import SamplingParams
+
+    core, url, key = audited_verifier
+    message = SessionRequest(np.asarray([295, 104, 101], dtype=np.int32), SamplingParams(temperature=0), 1).to_wire()
+    r = httpx.post(f"{url}/v1/sessions", content=pack({**message, "constraint": constraint}),
+                   headers={"Authorization": f"Bearer {key}", "Content-Type": CONTENT_TYPE}, timeout=30)
+    answer = unpack(r.content, core.limits)
+    assert r.status_code == 422 and answer["error"] == "bad_constraint" and says in answer["message"], answer
+    assert "\n" not in answer["message"]
