@@ -57,7 +57,7 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError("a JSON schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: llguidance emits properties in it
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -114,6 +114,13 @@ def _compile(kind: str, source: str) -> str:
     if is_error:
         raise ConstraintError(f"invalid {kind.replace('_', ' ')}: {_one_line(messages[0])}")
     return grammar
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark rule body matching JSON valid against `schema`, compact as a json_schema constraint's
+    (llguidance's inline `%json`; its `x-guidance` key carries the options)."""
+    options = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
+    return f"%json {json.dumps({**schema, 'x-guidance': options})}"
 
 
 def _one_line(message: str) -> str:

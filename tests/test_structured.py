@@ -470,6 +470,67 @@ def test_penalties_and_logit_bias_are_honoured_exactly(tool_client, smollm2_path
     assert r.model_extra["edgespec"]["tokens"] == biased.tokens and banned not in biased.tokens
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_tools_or_the_response_format_is_one_grammar(tiny_engine):
+    """tool_choice auto with a response_format: a call, or an answer in the format, and nothing else
+    (compact JSON either way); a forced call leaves no room for the format."""
+    from edgespec.tools import parse_tools, tool_constraint
+
+    rt, tools = tiny_engine.target, parse_tools([WEATHER, TIME])
+
+    def allows(constraint, text, complete=True):
+        grammar = Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog, position=0)
+        tokens = np.asarray(rt.tokenize(text, add_special=False, parse_special=False), dtype=np.int32)
+        taken = grammar.valid_prefix(tokens)
+        return taken == len(tokens) and (not complete or grammar.consume(tokens) == len(tokens)
+                                         and grammar.matcher.is_accepting())
+
+    call = '{"tool_calls":[{"name":"get_time","arguments":{"city":"Oslo"}}]}'
+    answer = '{"city":"Paris","population":2100000}'
+    either = tool_constraint(tools, "auto", parallel=True, answer=CITY)
+    assert allows(either, call) and allows(either, answer)
+    assert not allows(either, '{"city":"Paris"}') and not allows(either, "Paris is large.", complete=False)
+    assert not allows(either, '{ "city":"Paris","population":1}', complete=False)  # compact, as json_schema
+    anything = tool_constraint(tools, "auto", parallel=True, answer={"type": "object"})
+    assert allows(anything, '{"x":[1,2]}') and allows(anything, call)
+    forced = tool_constraint(tools, "required", parallel=True, answer=CITY)
+    assert allows(forced, call) and not allows(forced, answer)
+
+
+def test_response_format_with_tools_through_the_openai_client(tool_client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    asks = [ASK, [{"role": "user", "content": "The largest city of France and its population, as JSON."}]]
+    for messages in asks:  # auto: a call, or an answer in the format
+        r = tool_client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER, TIME],
+                                                response_format=fmt, temperature=0, max_tokens=120)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice.message, {"get_weather", "get_time"})
+        else:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), CITY)
+    r = tool_client.chat.completions.create(model="smol", messages=asks[1], tools=[WEATHER, TIME], response_format=fmt,
+                                            tool_choice="required", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message, {"get_weather", "get_time"})
+    r = tool_client.chat.completions.create(model="smol", messages=asks[1], tools=[WEATHER], response_format=fmt,
+                                            tool_choice="none", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+    stream = tool_client.chat.completions.create(model="smol", messages=asks[1], tools=[WEATHER, TIME], stream=True,
+                                                 response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    content, calls, finish = "", 0, None
+    for chunk in stream:
+        content += chunk.choices[0].delta.content or ""
+        calls += len(chunk.choices[0].delta.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert (finish == "tool_calls" and calls) or (finish == "stop" and isinstance(json.loads(content), dict)), content
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
