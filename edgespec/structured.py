@@ -213,6 +213,22 @@ class Grammar:
         tokens = self.matcher.compute_ff_tokens()[:limit]
         return np.asarray(tokens[: self.valid_prefix(np.asarray(tokens))], dtype=np.int32)
 
+    def certain(self, tokens: np.ndarray) -> np.ndarray:
+        """Bool per token of a run the grammar allows from here (its forced tokens): whether the grammar
+        admits that token alone at its position. Its masked distribution is then a point mass whatever
+        the model's row says. Forced tokens often are not certain: llguidance forces bytes, which
+        other token splits may spell too."""
+        out = np.zeros(len(tokens), dtype=bool)
+        taken = 0
+        for i, token in enumerate(int(t) for t in tokens):
+            mask = self._grammar_mask()
+            out[i] = bool(mask[token]) and np.count_nonzero(mask) == 1
+            if token in self._eog_set or not self.matcher.consume_token(token):
+                break
+            taken += 1
+        self.matcher.rollback(taken)
+        return out
+
     def row_masks(self, context: np.ndarray, continuation: np.ndarray, m: int) -> np.ndarray:
         """Bool (m, n_vocab): the masks of the last m positions of context + continuation (row j
         predicts the token after all but the last m - 1 - j tokens). Rows after a token the grammar

@@ -88,6 +88,20 @@ def test_an_unsatisfiable_constraint_is_refused_before_generating(tiny_engine):
                                                              constraint=Constraint.regex(r"[^\s\S]")))
 
 
+def test_the_server_checks_a_constraint_before_the_request_queues(tiny_engine):
+    """The server builds the grammar over the model's vocabulary before queueing (a stream's status line
+    goes out first): a constraint whose first mask is empty is a 400, not an error inside a 200 stream."""
+    from types import SimpleNamespace
+
+    from edgespec.serve.server import _Service
+
+    service = SimpleNamespace(engine=tiny_engine)
+    with pytest.raises(ConstraintError, match="admits no output"):
+        _Service.check_satisfiable(service, Constraint.regex(r"[^\s\S]"))
+    _Service.check_satisfiable(service, CONSTRAINTS["schema"])
+    _Service.check_satisfiable(service, None)
+
+
 def test_masks_follow_the_grammar_position_by_position(tiny_engine):
     """row_masks over a continuation equals walking the grammar one token at a time, and leaves the
     matcher where it was."""
@@ -128,6 +142,58 @@ def test_forced_tokens_are_drafted_and_counted_apart(tiny_engine):
     plain = tiny_engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=48, temperature=0, mode="ar",
                                                                  constraint=CONSTRAINTS["schema"])).stats
     assert plain.rounds < plain.generated  # plain decoding emits the forced runs in fewer passes too
+
+
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_full_name_as_written": {"type": "string", "enum": ["alpha", "beta"]},
+    "number_of_items_in_the_order": {"type": "integer", "minimum": 0, "maximum": 9},
+    "delivery_is_requested_before_noon": {"type": "boolean"}},
+    "required": ["customer_full_name_as_written", "number_of_items_in_the_order", "delivery_is_requested_before_noon"],
+    "additionalProperties": False}
+
+
+class AllRows:
+    """The same runtime, not offering SelectedRows: every row of every pass is computed."""
+
+    def __init__(self, runtime):
+        from edgespec.runtimes.base import SelectedRows
+
+        self._runtime = runtime
+        self.capabilities = runtime.capabilities - {SelectedRows}
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+@pytest.mark.parametrize("mode", ["ar", "draft", "lookup"])
+def test_certain_tokens_need_no_logits_row(tiny_pair, mode):
+    """Where the grammar admits one token, its masked distribution is a point mass: the token is fed
+    (its KV) but its row is not computed. Same output as computing every row, fewer rows, every pass
+    exact (a skipped row must be a point mass on its token after the mask: edgespec.audit)."""
+    from edgespec.audit import Fresh, Recorder, check_decisions, check_rows
+
+    config = GenerationConfig(max_tokens=200, temperature=0, mode=mode, draft_max=4,
+                              constraint=Constraint.json_schema(LONG_KEYS))
+    runs = {}
+    for name, wrap in (("selected", lambda rt: rt), ("all", AllRows)):
+        with Engine(wrap(load_runtime(tiny_pair["target"], n_ctx=512)),
+                    load_runtime(tiny_pair["good_draft"], n_ctx=512)) as engine:
+            engine.recorder = Recorder()
+            result = engine.generate_tokens(PROMPT, config)
+            passes = list(engine.recorder.passes)
+            check_decisions(passes, PROMPT, result.tokens)
+            rows = sum(len(p.logits) - len(p.skipped) for p in passes)
+            runs[name] = (result, passes, rows, text_of(engine, result.tokens))
+    (selected, passes, rows, text), (every, all_passes, all_rows, _) = runs["selected"], runs["all"]
+    assert selected.tokens == every.tokens and selected.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), LONG_KEYS)
+    assert not any(p.skipped for p in all_passes) and any(p.skipped for p in passes)
+    assert selected.stats.forced == every.stats.forced > 0  # forced tokens still counted apart
+    print(f"\n{mode}: {rows} rows computed instead of {all_rows} ({selected.stats.forced} forced tokens)")
+    assert rows < all_rows * 0.75
+    fresh_runtime = load_runtime(tiny_pair["target"], n_ctx=512, n_threads=1)
+    check_rows(passes, Fresh(fresh_runtime), which=lambda i, p: i < 3)  # the computed rows are the model's own
+    fresh_runtime.close()
 
 
 @pytest.mark.slow
@@ -214,7 +280,7 @@ class MaskOnlyTheEmittedToken(Engine):
     """A wrong engine: drafts are judged by the target's unmasked rows, and only the token it emits
     (the correction or the bonus) is drawn from the masked row."""
 
-    def verify_accept(self, state, draft, logits, verifier=None):
+    def verify_accept(self, state, draft, logits, verifier=None, skipped=()):
         masked = state.sampler.rows(logits, state.committed, draft.tokens)
         unmasked = Sampler(state.sampler.params, 0).rows(logits, state.committed, draft.tokens)
         n, _ = accept_sampling(draft.tokens, draft.probs, unmasked, state.sampler.rng)
@@ -542,6 +608,12 @@ def test_response_format_with_tools_through_the_openai_client(tool_client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),  # no output can match
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nope"}}}}, "response_format"),
+    ({"stream": True, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "minItems": 3, "maxItems": 1}}}}, "response_format"),  # refused before the stream
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"presence_penalty": 5}, "presence_penalty"),
