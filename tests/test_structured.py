@@ -165,14 +165,15 @@ class AllRows:
         return getattr(self._runtime, name)
 
 
-@pytest.mark.parametrize("mode", ["ar", "draft", "lookup"])
-def test_certain_tokens_need_no_logits_row(tiny_pair, mode):
+@pytest.mark.parametrize("mode,temperature", [("ar", 0.0), ("draft", 0.0), ("lookup", 0.0), ("draft", 0.8)])
+def test_certain_tokens_need_no_logits_row(tiny_pair, mode, temperature):
     """Where the grammar admits one token, its masked distribution is a point mass: the token is fed
     (its KV) but its row is not computed. Same output as computing every row, fewer rows, every pass
-    exact (a skipped row must be a point mass on its token after the mask: edgespec.audit)."""
+    exact (a skipped row must be a point mass on its token after the mask: edgespec.audit). Sampling
+    too: the computed rows' draws are the same, so the same seed gives the same tokens."""
     from edgespec.audit import Fresh, Recorder, check_decisions, check_rows
 
-    config = GenerationConfig(max_tokens=200, temperature=0, mode=mode, draft_max=4,
+    config = GenerationConfig(max_tokens=200, temperature=temperature, mode=mode, draft_max=4, seed=7,
                               constraint=Constraint.json_schema(LONG_KEYS))
     runs = {}
     for name, wrap in (("selected", lambda rt: rt), ("all", AllRows)):
