@@ -695,7 +695,7 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
         _print_stream(client.stream(prompt, config), as_json)
 
 
-# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML bundle out ------------------
+# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML / MLX bundle out ------------------
 
 
 @app.command()
@@ -704,10 +704,10 @@ def export(
                                  "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
     draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
-    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
+    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml, mlx"),
     quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "
-                              "int8/int4 (ONNX and Core ML), or FORMAT:TYPE (onnx:int8, coreml:int4) "
-                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4]"),
+                              "int8/int4 (ONNX, Core ML, MLX), or FORMAT:TYPE (onnx:int8, coreml:int4, mlx:int8) "
+                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4, mlx int4]"),
     self_draft: str = typer.Option(None, "--self-draft", help="no draft? derive one from the target: quant[:TYPE] "
                                    "(the target at fewer bits) or layers[:N] (its first N layers)"),
     onnx_layers: bool = typer.Option(False, "--onnx-layers", help="ONNX: also the target as layer graphs, so "
@@ -721,7 +721,7 @@ def export(
                                                   "on the check texts"),
     threads: int = typer.Option(None, help="CPU threads for quantization [default: physical cores]"),
 ) -> None:
-    """Export a target (and draft) to GGUF, ONNX and Core ML in one bundle with a manifest (edgespec.json)."""
+    """Export a target (and draft) to GGUF, ONNX, Core ML and MLX in one bundle with a manifest (edgespec.json)."""
     from edgespec.exporters.bundle import ExportOptions, export_bundle, parse_formats, parse_quants, read_manifest
     from edgespec.exporters.progress import RichProgress
 
