@@ -701,7 +701,8 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 @app.command()
 def export(
     target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory, or hf:OWNER/REPO[@REV] "
-                                 "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
+                                 "(a safetensors repo, fetched into the HF cache and sha256-checked), or a .gguf "
+                                 "file with --format mlx (read back into an MLX repo directory at --out)"),
     draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
     formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml, mlx"),
@@ -727,6 +728,18 @@ def export(
 
     if draft_max < 1 or coreml_context < 16:
         raise EdgespecError("--draft-max must be >= 1 and --coreml-context >= 16")
+    if target.lower().endswith(".gguf") and os.path.isfile(os.path.expanduser(target)):  # a GGUF read back into MLX
+        from edgespec.exporters.gguf_to_mlx import gguf_to_mlx, mode_for_quant, read_gguf
+
+        if parse_formats(formats) != ("mlx",) or draft:
+            raise EdgespecError("a GGUF exports to MLX only (--format mlx), one file at a time (no --draft)")
+        if os.path.exists(os.path.expanduser(out)):
+            raise EdgespecError(f"{out} already exists; choose another --out")
+        plan = read_gguf(target, mode_for_quant(quant))  # refusals before the progress display
+        with RichProgress() as progress:
+            path = gguf_to_mlx(plan, out, progress=progress)
+        typer.echo(str(path))
+        return
     if onnx_layers and "onnx" not in parse_formats(formats):
         raise EdgespecError("--onnx-layers needs --format onnx")
     options = ExportOptions(formats=parse_formats(formats), **parse_quants(quant), coreml_context=coreml_context,
