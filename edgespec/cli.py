@@ -170,11 +170,11 @@ def generate(
     if verifier:
         if config.constraint is not None:
             raise EdgespecError("--json-schema, --grammar and --regex are not supported with --verifier yet")
-        if runtime != "llamacpp":
-            raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
+        if runtime not in ("llamacpp", "mlx"):
+            raise EdgespecError("generate --verifier drafts with llama.cpp or MLX; drop --runtime or use --runtime mlx")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
                                 as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
-                                in_flight=in_flight)
+                                in_flight=in_flight, runtime=runtime)
         return
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
@@ -683,7 +683,7 @@ def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, 
 
 def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,
                             as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool,
-                            in_flight: int = 3) -> None:
+                            in_flight: int = 3, runtime: str = "llamacpp") -> None:
     """`generate --verifier`: the local model drafts, the verifier verifies; offline, the local model goes on."""
 
     from edgespec.cloud.client import CloudEdgeClient, CloudOptions
@@ -691,7 +691,7 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
     options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file, max_inflight=in_flight)
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
     with CloudEdgeClient.load(draft or DEFAULT_MODEL, options, n_ctx=ctx, n_threads=threads,
-                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
+                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify, runtime=runtime) as client:
         _print_stream(client.stream(prompt, config), as_json)
 
 
