@@ -116,3 +116,14 @@ def test_a_bundle_without_mlx_says_how_to_export_one(tmp_path):
     with pytest.raises(EdgespecError, match="has no MLX target; export it with --format mlx"):
         Engine.load(tmp_path, runtime="mlx")
     assert bundles.mlx_draft(tmp_path) is None
+
+
+def test_self_draft_quant_on_mlx_is_the_target_at_4_bits(hf_tiny, tmp_path):
+    from edgespec.exporters.bundle import ExportOptions, export_bundle, read_manifest
+
+    options = ExportOptions(formats=("mlx",), mlx_quants=("int8",), self_draft="quant", measure=False)
+    manifest = read_manifest(export_bundle(hf_tiny["llama"], tmp_path / "sd", None, options))
+    assert manifest["runtimes"]["mlx"] == {"target": "mlx/target.int8", "draft": "mlx/draft.int4"}
+    options = ExportOptions(formats=("mlx",), mlx_quants=("int4",), self_draft="quant", measure=False)
+    manifest = read_manifest(export_bundle(hf_tiny["llama"], tmp_path / "sd4", None, options))
+    assert manifest["runtimes"]["mlx"]["draft"] is None and "int4 is the fewest bits" in manifest["formats"]["mlx"]["note"]
