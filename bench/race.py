@@ -95,7 +95,8 @@ class Run:
     chosen: dict = field(default_factory=dict)
     model: str = ""
     order: int = 0                      # its place among the systems in this repeat of this prompt
-    priced_tok_s: float | None = None   # generated / priced seconds (bench/oracle.py); edgespec runs only
+    priced_s: float | None = None       # the run's passes and drafting at the profile's prices (bench/oracle.py)
+    priced_tok_s: float | None = None   # generated / priced_s; edgespec runs only
     passes_by_rows: dict = field(default_factory=dict)
     finish_reason: str | None = None
     oracle: dict | None = None          # auto's runs: its priced speedup and the oracle's on its text
@@ -152,9 +153,9 @@ class AutoOracle:
         self.k_max = AdaptivePolicy(profile).k_max  # the longest draft auto may choose
         self._teacher: dict[tuple, object] = {}     # the draft model's predictions, per (prompt, text)
 
-    def priced_tok_s(self, stats) -> float | None:
+    def priced(self, stats) -> dict:
         seconds = self.pricing.run_seconds(stats)
-        return stats.generated / seconds if seconds > 0 and stats.generated else None
+        return {"priced_s": seconds, "priced_tok_s": stats.generated / seconds if seconds > 0 and stats.generated else None}
 
     def judge(self, ids: list[int], history: list[list[int]], result, shadow_log: list) -> dict:
         """Auto's priced speedup on its own text, and the oracle's (all drafters, and each alone)."""
@@ -208,7 +209,7 @@ def edgespec_run(engine, name: str, mode: str, k: int | None, ids: list[int], hi
            "passes_by_rows": {str(n): c for n, c in sorted(s.passes_by_rows.items())},
            "finish_reason": result.finish_reason}
     if hindsight is not None:
-        out["priced_tok_s"] = hindsight.priced_tok_s(s)
+        out.update(hindsight.priced(s))
         if mode == "auto":  # after the timed run: nothing of the oracle is in its time
             out["oracle"] = hindsight.judge(ids, history, result, shadow_log)
     return out
@@ -373,13 +374,14 @@ def _geomean(xs) -> float | None:
     return geomean(xs) if xs else None
 
 
-def claim(cls: str, interval: Interval | None, system: str = "auto") -> dict:
-    """The one claim an interval allows about `system` against plain on `cls`."""
+def claim(cls: str, interval: Interval | None, priced: Interval | None = None, system: str = "auto") -> dict:
+    """The one claim an interval allows about `system` against plain on `cls` (with the priced speedup beside)."""
     v = verdict(interval) if interval else "cannot tell"
     where = "overall" if cls == "overall" else f"on {cls}"
     text = {"holds": f"{system} >= plain {where}", "loses": f"{system} loses {where}",
             "cannot tell": f"{system} vs plain {where}: cannot tell"}[v]
-    return {"class": cls, "verdict": v, "claim": text, "interval": interval.to_dict() if interval else None}
+    return {"class": cls, "verdict": v, "claim": text, "interval": interval.to_dict() if interval else None,
+            "priced": priced.to_dict() if priced else None}
 
 
 def oracle_share(auto_x: float | None, oracle_x: float | None) -> dict:
@@ -441,8 +443,11 @@ def summarize(runs: list[Run]) -> dict:
 
         classes = {c: group({c: ids}) for c, ids in by_class.items()}
         overall = group(by_class)
-        claims = [claim(c, _interval({c: [ratio[AUTO, i] for i in ids]})) for c, ids in by_class.items()]
-        claims.append(claim("overall", _interval({c: [ratio[AUTO, i] for i in ids] for c, ids in by_class.items()})))
+        def auto_claim(cls: str, ids_by_class: dict[str, list[str]]) -> dict:
+            return claim(cls, _interval({c: [ratio[AUTO, i] for i in ids] for c, ids in ids_by_class.items()}),
+                         _interval({c: [priced_ratio[AUTO, i] for i in ids] for c, ids in ids_by_class.items()}))
+
+        claims = [auto_claim(c, {c: ids}) for c, ids in by_class.items()] + [auto_claim("overall", by_class)]
         identical = [i for i in items if _tokens(mine, AUTO, i) == _tokens(mine, PLAIN, i)]
         out[f"{key[0]} t={key[1]}"] = {
             "classes": classes, "overall": overall, "claims": claims, "systems": systems,
@@ -525,7 +530,8 @@ def claim_lines(summary: dict) -> list[str]:
         for c in s["claims"]:
             ci = c["interval"]
             detail = f" ({_ci(ci)}, {LEVEL:.0%} interval, {ci['n']} prompts)" if ci else ""
-            lines.append(f"{setup}: {c['claim']}{detail}")
+            priced = f"; priced {c['priced']['value']:.3f}" if c.get("priced") else ""
+            lines.append(f"{setup}: {c['claim']}{detail}{priced}")
     return lines
 
 
