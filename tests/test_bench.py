@@ -19,6 +19,7 @@ from edgespec.machine.profile import CostProfile
 from edgespec.stats import GenerationStats
 
 MS = 1e-3
+DRAFT_NUMERICS = 0.02  # the oracle may miss auto's path by a draft-model near-tie (see the race test)
 
 
 @pytest.mark.slow
@@ -112,8 +113,8 @@ def test_bench_is_the_race_with_intervals_priced_speed_and_the_oracle(tmp_path, 
         assert group["x_plain"]["edgespec ar"]["value"] == pytest.approx(1.0)
         assert group["priced_x_plain"]["edgespec ar"]["value"] == pytest.approx(1.0)
         share = group["oracle"]
-        assert share["oracle_x"] >= share["auto_x"] - 1e-9
-        assert share["fraction"] is None or share["fraction"] <= 1 + 1e-9
+        assert share["oracle_x"] >= share["auto_x"] / (1 + DRAFT_NUMERICS)
+        assert share["fraction"] is None or share["fraction"] <= 1 + DRAFT_NUMERICS
     for c in summary["claims"]:
         assert c["verdict"] == verdict(SimpleNamespace(**c["interval"]))
         assert c["claim"].startswith("auto")
@@ -124,7 +125,10 @@ def test_bench_is_the_race_with_intervals_priced_speed_and_the_oracle(tmp_path, 
             assert r["oracle"] is None
             continue
         o = r["oracle"]
-        assert o["oracle_x"] >= o["auto_x"] * (1 - 1e-9)  # auto's own path is one the oracle weighs
+        # Auto's own path is one the oracle weighs, exactly so where auto copied; where it used the draft
+        # model, the teacher-forced pass may break a near-tie the other way than autoregressive drafting did.
+        used_draft = any(key.startswith("draft:") for key in r["chosen"])
+        assert o["oracle_x"] >= o["auto_x"] / (1 + (DRAFT_NUMERICS if used_draft else 1e-9))
         assert o["shadow_agree"] == o["shadow_positions"] and all(o["shadow_positions"].values())
         assert set(o["oracle_x_alone"]) == {"lookup", "suffix", "draft"}
         assert all(o["oracle_x"] >= x - 1e-9 for x in o["oracle_x_alone"].values())
