@@ -728,7 +728,7 @@ def main(argv=None) -> int:
                 got, profiles[f"{setup.name} t={threads}"] = run_model(setup, args, threads, sys.stderr, record)
                 runs += got
     summary = summarize(runs)
-    doc = {"command": "edgespec bench " + " ".join(argv), "machine": machine, "timing": TIMING,
+    doc = {"command": "python -m edgespec.bench.race " + " ".join(argv), "machine": machine, "timing": TIMING,
            "seconds": time.time() - t0, "load_average_end": [round(x, 2) for x in os.getloadavg()],
            "summary": summary, "profiles": profiles}
     doc["goals"] = goals(summary)
