@@ -242,3 +242,23 @@ def test_auto_keeps_its_shadow_proposals_only_when_asked():
     policy.choose(state)
     [(position, name, tokens)] = policy.shadow_log
     assert position == 5 and name == "lookup" and tokens.tolist() == [3, 1, 2]
+
+
+def test_edgespec_bench_drives_the_race(monkeypatch):
+    """`edgespec bench` is the race: its options become the race's arguments (5 repeats by default)."""
+    from typer.testing import CliRunner
+
+    from edgespec import cli
+    from edgespec.bench import race
+
+    seen = []
+    monkeypatch.setattr(race, "main", lambda argv: seen.append(argv) or 0)
+    runner = CliRunner()
+    assert runner.invoke(cli.app, ["bench", "--models", "smollm2", "--classes", "code", "--no-cpp"]).exit_code == 0
+    args = race.parse_args(seen[-1])
+    assert (args.models, args.repeats, args.classes, args.no_cpp) == ("smollm2", race.DEFAULT_REPEATS, ["code"], True)
+    assert race.DEFAULT_REPEATS >= 5
+    assert runner.invoke(cli.app, ["bench", "--quick"]).exit_code == 0
+    quick = race.parse_args(seen[-1])
+    assert quick.models == "smollm2" and quick.repeats == 2 and quick.no_cpp
+    assert race.repeat_order([1, 2, 3], 0) == [1, 2, 3] and race.repeat_order([1, 2, 3], 1) == [3, 2, 1]
