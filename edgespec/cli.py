@@ -398,29 +398,45 @@ def doctor(
         render_doctor(doc)
 
 
-# --- edgespec bench: the benchmark behind the README's speed claims, on this machine -----------
+# --- edgespec bench: the race behind the README's speed claims, on this machine ---------------
 
 
 @app.command()
 def bench(
-    models: str = typer.Option("all", help="qwen (Qwen2.5-Coder 1.5B + 0.5B draft) | smollm2 | all"),
-    repeats: int = typer.Option(None, help="timed runs per system and prompt [default: 3; --quick: 1]"),
-    max_tokens: int = typer.Option(None, "--max-tokens", "-n", help="tokens per generation [default: 128; --quick: 32]"),
-    out: str = typer.Option("bench/out", help="folder for results.json, results.md and tok_s_vs_k.png"),
-    quick: bool = typer.Option(False, "--quick", help="smoke test: 1 repeat, 2 prompts per category, 32 tokens"),
+    models: str = typer.Option("smollm2,qwen", help="comma list: smollm2 (SmolLM2-135M, its Q4_0 copy as draft), "
+                               "qwen (Qwen2.5-Coder 1.5B + 0.5B draft)"),
+    repeats: int = typer.Option(5, help="runs of every system on every prompt, the systems' order reversed "
+                                "every other repeat"),
+    max_tokens: int = typer.Option(96, "--max-tokens", "-n", help="tokens per generation"),
+    threads: str = typer.Option("1", help="comma list of CPU thread counts"),
+    classes: str = typer.Option("", help="comma list of chat, code, grounded, multi-turn, structured [all]"),
+    per_category: int = typer.Option(None, "--per-category", help="shipped prompts per class [all]"),
+    no_cpp: bool = typer.Option(False, "--no-cpp", help="leave out llama.cpp's own C++ tools"),
+    out: str = typer.Option("bench/out", help="folder for results.json, results.md and the plots"),
+    quick: bool = typer.Option(False, "--quick", help="smoke test: SmolLM2, 2 repeats, 2 prompts per class, "
+                               "16 tokens, no C++ tools"),
 ) -> None:
-    """Measure edgespec (plain, draft model, prompt lookup) against llama-cpp-python on this machine."""
-    from edgespec.bench.run import main as bench_main
+    """The race: plain decoding, every fixed setting, auto and llama.cpp's tools, interleaved prompt by
+    prompt with the order alternated; 90 % intervals per class, a priced (noise-free) speedup, and the
+    oracle: auto's gain as a share of the best any policy could do (edgespec.bench.race)."""
+    from edgespec.bench.race import main as race_main
 
-    if models not in ("qwen", "smollm2", "all"):
-        raise EdgespecError(f"unknown --models {models!r}; use qwen, smollm2 or all")
-    if (repeats is not None and repeats < 1) or (max_tokens is not None and max_tokens < 2):
+    if repeats < 1 or max_tokens < 2:
         raise EdgespecError("--repeats must be >= 1 and --max-tokens >= 2")
-    argv = ["--models", models, "--out", out]
-    argv += ["--repeats", str(repeats)] if repeats is not None else []
-    argv += ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
-    argv += ["--quick"] if quick else []
-    code = bench_main(argv)
+    models = "smollm2,qwen" if models == "all" else models
+    unknown = set(models.split(",")) - {"smollm2", "qwen"}
+    if unknown:
+        raise EdgespecError(f"unknown --models {', '.join(sorted(unknown))}; use smollm2, qwen or both (comma list)")
+    if quick:
+        argv = ["--models", "smollm2", "--repeats", "2", "--max-tokens", "16", "--limit", "2", "--no-cpp",
+                "--threads", threads, "--out", out]
+    else:
+        argv = ["--models", models, "--repeats", str(repeats), "--max-tokens", str(max_tokens),
+                "--threads", threads, "--out", out]
+        argv += ["--per-category", str(per_category)] if per_category else []
+        argv += ["--no-cpp"] if no_cpp else []
+    argv += ["--classes", classes] if classes else []
+    code = race_main(argv)
     if code:
         raise typer.Exit(code)
 
