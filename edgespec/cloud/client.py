@@ -462,12 +462,15 @@ class CloudEdgeClient:
 
     @classmethod
     def load(cls, draft: str | Path, options: CloudOptions, *, n_ctx: int = 4096, n_threads: int | None = None,
-             n_gpu_layers: int | None = 0, verbose: bool = False, notify: Callable[[str], None] | None = None):
-        from edgespec.loader import LoadOptions, load_runtime
+             n_gpu_layers: int | None = 0, verbose: bool = False, notify: Callable[[str], None] | None = None,
+             runtime: str = "llamacpp"):
+        from edgespec.loader import LoadOptions, load_pair, load_runtime
 
         # n_gpu_layers None: all layers where a GPU build has a GPU
-        runtime = load_runtime(draft, LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                                  verbose=verbose))
+        load = LoadOptions(runtime=runtime, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                           verbose=verbose)
+        # the draft on MLX: one sequence of its own, as llama.cpp's
+        runtime = load_pair(draft, None, load)[0] if runtime == "mlx" else load_runtime(draft, load)
         try:
             return cls(runtime, options, notify)
         except BaseException:
