@@ -30,8 +30,8 @@ every server afresh, so what a server keeps between requests (edgespec's suffix 
 caches) holds only the other requests of the same repeat, never the same request's earlier answer.
 Speed is decode tokens/s as each server times itself, prefill excluded (edgespec: the response's
 `edgespec.tokens_per_s`; llama-server: `timings.predicted_per_second`); per request the median over
-repeats; ratios are medians of per-request ratios with 90 % bootstrap intervals over the requests
-(bench/stats_ci.py). An output is valid when it ended by itself (not at max_tokens) and is what the
+repeats; a ratio is the geometric mean of per-request ratios with its 90 % bootstrap interval over the
+requests (bench/stats_ci.py, as the race reports). An output is valid when it ended by itself (not at max_tokens) and is what the
 request asked for: a JSON document valid against the schema (jsonschema), or tool calls naming the
 request's tools with arguments valid against their parameters. The forced-token share is the part of
 edgespec's output the grammar forced (its stats' `forced_accepted` over completion tokens).
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from edgespec.bench.stats_ci import bootstrap_ratio_interval
+from edgespec.bench.stats_ci import Interval, geomean_interval, verdict
 
 WORKLOADS = Path(__file__).with_name("structured_workloads.json")
 KINDS = ("extraction", "tool_choice", "multi_step")
@@ -339,10 +339,18 @@ def per_request(runs: list[Run], system: str, kind: str | None = None) -> dict[s
 
 
 def ratio(runs: list[Run], numer: str, denom: str, kind: str | None) -> dict:
-    a, b = per_request(runs, numer, kind), per_request(runs, denom, kind)
-    ids = sorted(set(a) & set(b))
-    point, low, high = bootstrap_ratio_interval([a[i] for i in ids], [b[i] for i in ids])
-    return {"ratio": point, "low": low, "high": high, "requests": len(ids)}
+    """The geometric mean of per-request speed ratios numer / denom, its bootstrap interval over the
+    requests (resampled within their workload), and how many requests it rests on."""
+    by_kind = {}
+    for k in ([kind] if kind else KINDS):
+        a, b = per_request(runs, numer, k), per_request(runs, denom, k)
+        values = [a[i] / b[i] for i in sorted(set(a) & set(b)) if a[i] and b[i]]
+        if values:
+            by_kind[k] = values
+    if not by_kind:
+        return {"ratio": None, "low": None, "high": None, "requests": 0}
+    ci = geomean_interval(by_kind)
+    return {"ratio": ci.value, "low": ci.low, "high": ci.high, "requests": ci.n}
 
 
 def summarize_model(runs: list[Run]) -> dict:
@@ -394,7 +402,7 @@ def goals(summary: dict) -> list[dict]:
                     continue
                 value = min(v["valid_share"] or 0.0 for v in mine)
                 out.append({"model": model, "claim": claim, "value": value, "low": None, "high": None,
-                            "threshold": threshold, "met": value >= threshold})
+                            "threshold": threshold, "met": value >= threshold, "verdict": None})
                 continue
             label = {AR_FREE: "mask cost (constrained plain / unconstrained plain)",
                      AR: "constrained auto / constrained plain",
@@ -402,8 +410,9 @@ def goals(summary: dict) -> list[dict]:
             r = s["ratios"].get(label, {}).get(kind or "all")
             if not r or r["ratio"] is None:
                 continue
+            ci = Interval(r["ratio"], r["low"], r["high"], 0.90, r["requests"])
             out.append({"model": model, "claim": claim, "value": r["ratio"], "low": r["low"], "high": r["high"],
-                        "threshold": threshold, "met": r["ratio"] >= threshold})
+                        "threshold": threshold, "met": r["ratio"] >= threshold, "verdict": verdict(ci, threshold)})
     return out
 
 
@@ -435,7 +444,7 @@ def render(doc: dict) -> str:
             lines.append(f"| {name} | {_f(row['tok_s']['all'])} | " + " | ".join(_f(row['tok_s'][k]) for k in kinds)
                          + f" | {row['valid']}/{row['runs']} ({_pct(row['valid_share'])}) | {row['truncated']} | "
                          f"{_pct(row['right_tool_share'])} | {_pct(row['forced_share'])} | {_pct(row['acceptance'])} |")
-        lines += ["", "Ratios: median of per-request ratios [90 % bootstrap interval over requests]:", "",
+        lines += ["", "Ratios: geometric mean of per-request ratios [90 % bootstrap interval over requests]:", "",
                   "| ratio | all | " + " | ".join(kinds) + " |", "|---|" + "---:|" * (len(kinds) + 1)]
         for label, by_kind in s["ratios"].items():
             cells = []
@@ -449,18 +458,20 @@ def render(doc: dict) -> str:
             lines += ["", "Invalid outputs (first few per system):", ""]
             lines += [f"- {name}: " + "; ".join(ex) for name, ex in bad.items()]
         lines.append("")
-    lines += ["## Goals (issue 22, item 5)", "", "| model | claim | value [90 % interval] | goal | met |",
-              "|---|---|---:|---:|---|"]
+    lines += ["## Goals (issue 22, item 5)", "",
+              "Met: the value reaches the goal; the interval says whether the data can tell (holds: all of it at or "
+              "above the goal; loses: all of it below).", "",
+              "| model | claim | value [90 % interval] | goal | met | interval |", "|---|---|---:|---:|---|---|"]
     for g in doc["goals"]:
         interval = f" [{g['low']:.2f}, {g['high']:.2f}]" if g["low"] is not None else ""
         lines.append(f"| {g['model']} | {g['claim']} | {g['value']:.2f}{interval} | {g['threshold']} | "
-                     f"{'yes' if g['met'] else '**no**'} |")
+                     f"{'yes' if g['met'] else '**no**'} | {g['verdict'] or '-'} |")
     return "\n".join(lines) + "\n"
 
 
 METHOD = ("Decode tok/s as each server times itself, prefill excluded (edgespec: `edgespec.tokens_per_s` of the "
           "response; llama-server: `timings.predicted_per_second`), median over repeats per request, then the median "
-          "over requests. Greedy (temperature 0, seed 0), every system through its OpenAI endpoint, servers "
+          "over requests; ratios are geometric means of per-request ratios. Greedy (temperature 0, seed 0), every system through its OpenAI endpoint, servers "
           "started afresh each repeat, systems interleaved per request with the order reversed on odd repeats. "
           "Valid: ended by itself and matches the request's schema or tools (jsonschema). Forced share: completion "
           "tokens the grammar forced (edgespec stats `forced_accepted`). Acceptance: accepted / drafted tokens "

@@ -169,13 +169,11 @@ def generate(
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
     if verifier:
-        if config.constraint is not None:
-            raise EdgespecError("--json-schema, --grammar and --regex are not supported with --verifier yet")
-        if runtime != "llamacpp":
-            raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
+        if runtime not in ("llamacpp", "mlx"):
+            raise EdgespecError("generate --verifier drafts with llama.cpp or MLX; drop --runtime or use --runtime mlx")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
                                 as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
-                                in_flight=in_flight)
+                                in_flight=in_flight, runtime=runtime)
         return
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
@@ -399,29 +397,45 @@ def doctor(
         render_doctor(doc)
 
 
-# --- edgespec bench: the benchmark behind the README's speed claims, on this machine -----------
+# --- edgespec bench: the race behind the README's speed claims, on this machine ---------------
 
 
 @app.command()
 def bench(
-    models: str = typer.Option("all", help="qwen (Qwen2.5-Coder 1.5B + 0.5B draft) | smollm2 | all"),
-    repeats: int = typer.Option(None, help="timed runs per system and prompt [default: 3; --quick: 1]"),
-    max_tokens: int = typer.Option(None, "--max-tokens", "-n", help="tokens per generation [default: 128; --quick: 32]"),
-    out: str = typer.Option("bench/out", help="folder for results.json, results.md and tok_s_vs_k.png"),
-    quick: bool = typer.Option(False, "--quick", help="smoke test: 1 repeat, 2 prompts per category, 32 tokens"),
+    models: str = typer.Option("smollm2,qwen", help="comma list: smollm2 (SmolLM2-135M, its Q4_0 copy as draft), "
+                               "qwen (Qwen2.5-Coder 1.5B + 0.5B draft)"),
+    repeats: int = typer.Option(5, help="runs of every system on every prompt, the systems' order reversed "
+                                "every other repeat"),
+    max_tokens: int = typer.Option(96, "--max-tokens", "-n", help="tokens per generation"),
+    threads: str = typer.Option("1", help="comma list of CPU thread counts"),
+    classes: str = typer.Option("", help="comma list of chat, code, grounded, multi-turn, structured [all]"),
+    per_category: int = typer.Option(None, "--per-category", help="shipped prompts per class [all]"),
+    no_cpp: bool = typer.Option(False, "--no-cpp", help="leave out llama.cpp's own C++ tools"),
+    out: str = typer.Option("bench/out", help="folder for results.json, results.md and the plots"),
+    quick: bool = typer.Option(False, "--quick", help="smoke test: SmolLM2, 2 repeats, 2 prompts per class, "
+                               "16 tokens, no C++ tools"),
 ) -> None:
-    """Measure edgespec (plain, draft model, prompt lookup) against llama-cpp-python on this machine."""
-    from edgespec.bench.run import main as bench_main
+    """The race: plain decoding, every fixed setting, auto and llama.cpp's tools, interleaved prompt by
+    prompt with the order alternated; 90 % intervals per class, a priced (noise-free) speedup, and the
+    oracle: auto's gain as a share of the best any policy could do (edgespec.bench.race)."""
+    from edgespec.bench.race import main as race_main
 
-    if models not in ("qwen", "smollm2", "all"):
-        raise EdgespecError(f"unknown --models {models!r}; use qwen, smollm2 or all")
-    if (repeats is not None and repeats < 1) or (max_tokens is not None and max_tokens < 2):
+    if repeats < 1 or max_tokens < 2:
         raise EdgespecError("--repeats must be >= 1 and --max-tokens >= 2")
-    argv = ["--models", models, "--out", out]
-    argv += ["--repeats", str(repeats)] if repeats is not None else []
-    argv += ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
-    argv += ["--quick"] if quick else []
-    code = bench_main(argv)
+    models = "smollm2,qwen" if models == "all" else models
+    unknown = set(models.split(",")) - {"smollm2", "qwen"}
+    if unknown:
+        raise EdgespecError(f"unknown --models {', '.join(sorted(unknown))}; use smollm2, qwen or both (comma list)")
+    if quick:
+        argv = ["--models", "smollm2", "--repeats", "2", "--max-tokens", "16", "--limit", "2", "--no-cpp",
+                "--threads", threads, "--out", out]
+    else:
+        argv = ["--models", models, "--repeats", str(repeats), "--max-tokens", str(max_tokens),
+                "--threads", threads, "--out", out]
+        argv += ["--per-category", str(per_category)] if per_category else []
+        argv += ["--no-cpp"] if no_cpp else []
+    argv += ["--classes", classes] if classes else []
+    code = race_main(argv)
     if code:
         raise typer.Exit(code)
 
@@ -684,7 +698,7 @@ def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, 
 
 def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,
                             as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool,
-                            in_flight: int = 3) -> None:
+                            in_flight: int = 3, runtime: str = "llamacpp") -> None:
     """`generate --verifier`: the local model drafts, the verifier verifies; offline, the local model goes on."""
 
     from edgespec.cloud.client import CloudEdgeClient, CloudOptions
@@ -695,23 +709,24 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
     # Nothing named: the edge drafts with the default model's draft (the verifier's default is its target).
     with CloudEdgeClient.load(draft or choose_draft(None, None), options, n_ctx=ctx, n_threads=threads,
-                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
+                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify, runtime=runtime) as client:
         _print_stream(client.stream(prompt, config), as_json)
 
 
-# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML bundle out ------------------
+# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML / MLX bundle out ------------------
 
 
 @app.command()
 def export(
     target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory, or hf:OWNER/REPO[@REV] "
-                                 "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
+                                 "(a safetensors repo, fetched into the HF cache and sha256-checked), or a .gguf "
+                                 "file with --format mlx (read back into an MLX repo directory at --out)"),
     draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
-    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
+    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml, mlx"),
     quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "
-                              "int8/int4 (ONNX and Core ML), or FORMAT:TYPE (onnx:int8, coreml:int4) "
-                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4]"),
+                              "int8/int4 (ONNX, Core ML, MLX), or FORMAT:TYPE (onnx:int8, coreml:int4, mlx:int8) "
+                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4, mlx int4]"),
     self_draft: str = typer.Option(None, "--self-draft", help="no draft? derive one from the target: quant[:TYPE] "
                                    "(the target at fewer bits) or layers[:N] (its first N layers)"),
     onnx_layers: bool = typer.Option(False, "--onnx-layers", help="ONNX: also the target as layer graphs, so "
@@ -725,12 +740,24 @@ def export(
                                                   "on the check texts"),
     threads: int = typer.Option(None, help="CPU threads for quantization [default: physical cores]"),
 ) -> None:
-    """Export a target (and draft) to GGUF, ONNX and Core ML in one bundle with a manifest (edgespec.json)."""
+    """Export a target (and draft) to GGUF, ONNX, Core ML and MLX in one bundle with a manifest (edgespec.json)."""
     from edgespec.exporters.bundle import ExportOptions, export_bundle, parse_formats, parse_quants, read_manifest
     from edgespec.exporters.progress import RichProgress
 
     if draft_max < 1 or coreml_context < 16:
         raise EdgespecError("--draft-max must be >= 1 and --coreml-context >= 16")
+    if target.lower().endswith(".gguf") and os.path.isfile(os.path.expanduser(target)):  # a GGUF read back into MLX
+        from edgespec.exporters.gguf_to_mlx import gguf_to_mlx, mode_for_quant, read_gguf
+
+        if parse_formats(formats) != ("mlx",) or draft:
+            raise EdgespecError("a GGUF exports to MLX only (--format mlx), one file at a time (no --draft)")
+        if os.path.exists(os.path.expanduser(out)):
+            raise EdgespecError(f"{out} already exists; choose another --out")
+        plan = read_gguf(target, mode_for_quant(quant))  # refusals before the progress display
+        with RichProgress() as progress:
+            path = gguf_to_mlx(plan, out, progress=progress)
+        typer.echo(str(path))
+        return
     if onnx_layers and "onnx" not in parse_formats(formats):
         raise EdgespecError("--onnx-layers needs --format onnx")
     options = ExportOptions(formats=parse_formats(formats), **parse_quants(quant), coreml_context=coreml_context,

@@ -12,8 +12,9 @@ of a bundle's files load:
 * onnx: a bundle's ONNX target and draft (or ONNX export directories), optionally the target's layer
   graphs with part of the KV in a file (`kv_resident`);
 * coreml: a bundle's Core ML packages (macOS 15+);
-* mlx: a Hugging Face checkpoint directory or an MLX repo (`hf:OWNER/REPO` fetched whole into the
-  Hugging Face cache), run by mlx-lm (Metal on a Mac, the CPU backend elsewhere).
+* mlx: a Hugging Face checkpoint directory, an MLX repo (`hf:OWNER/REPO` fetched whole into the
+  Hugging Face cache) or a bundle's MLX target and draft (export --format mlx), run by mlx-lm
+  (Metal on a Mac, the CPU backend elsewhere).
 
 Everything that loads models (Engine.load, the CLI, the server, the slots, the memory planner, the
 cloud client and verifier) calls this module; runtimes themselves only ever see paths.
@@ -247,13 +248,15 @@ def _coreml_pair(target: Name | None):
 
 
 def resolve_mlx(name: Name) -> Path:
-    """What the MLX runtime loads: a checkpoint or MLX repo directory as is, or `hf:OWNER/REPO[@REV]`
-    fetched whole (config, safetensors, tokenizer) into the Hugging Face cache."""
+    """What the MLX runtime loads: a checkpoint or MLX repo directory as is, a bundle's MLX target, or
+    `hf:OWNER/REPO[@REV]` fetched whole (config, safetensors, tokenizer) into the Hugging Face cache."""
     from edgespec.models import hub
 
     text = str(name)
     if hub.is_hub_name(text):
         return hub.snapshot(text)
+    if bundles.is_bundle(text):
+        return bundles.mlx(text, "target")
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -275,6 +278,8 @@ def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
     if draft == "auto":  # auto_draft compares installed GGUF vocabularies
         raise EdgespecError("--draft auto picks among installed GGUF models; with --runtime mlx give the draft's "
                             "checkpoint directory or hf:OWNER/REPO")
+    if draft is None:
+        draft = bundles.mlx_draft(target)
     mlx = MlxOptions(n_ctx=options.n_ctx, n_batch=options.n_batch)
     target_rt = MlxRuntime(resolve_mlx(target), mlx)
     try:

@@ -277,6 +277,9 @@ class AdaptivePolicy:
         # confidence -> acceptance, shared by the drafters that state a confidence (spec.confident: suffix)
         self.calibration = ConfidenceCalibration()
         self.shadows = ShadowScorer()
+        # (position, drafter name, tokens) of every model-free proposal asked, when a caller sets a list
+        # (the bench's oracle, edgespec.bench.oracle); None, the default, keeps nothing
+        self.shadow_log: list[tuple[int, str, np.ndarray]] | None = None
         self._round_start = 0
         self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
         self._forced = 0       # this round's grammar-forced rows, in the pass whatever is chosen
@@ -352,6 +355,8 @@ class AdaptivePolicy:
             proposal = drafter.propose(state.committed, self.k_max, state.sampler)
             proposals.append((drafter, proposal))
             self.shadows.add(drafter.name, proposal, state.n)
+            if self.shadow_log is not None:
+                self.shadow_log.append((state.n, drafter.name, proposal.tokens))
         if k_cap <= 0 or state.n == state.n_prompt:  # the first token as soon as plain decoding has it
             return plain
         best = Choice(None, 0, predicted_speed=plain.predicted_speed * (1 + SPECULATION_MARGIN))

@@ -171,7 +171,17 @@ class GrammarVocabulary(Protocol):
         """An `llguidance.LLTokenizer` (built on first use, then kept: about 1 s for 150k tokens)."""
 
 
-OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences, GrammarVocabulary)
+class SelectedRows(Protocol):
+    """A pass that computes only the logits rows asked for, not the last n of them: a row no one
+    reads (a constraint's certain token, edgespec.engine) costs its KV but no output projection."""
+
+    def decode_rows(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """Append `tokens`; return float32 logits of tokens[rows] (increasing indices into `tokens`),
+        shape (len(rows), n_vocab)."""
+
+
+OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences, GrammarVocabulary,
+                                        SelectedRows)
 
 
 class NotOffered:

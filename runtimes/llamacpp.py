@@ -23,7 +23,7 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState, SelectedRows, SeveralSequences, Sizing,
                                      TokenSequence, TreeDecoding, VocabInfo)
 from edgespec.runtimes.identity import file_identity
 
@@ -337,7 +337,7 @@ class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
-    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary})
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary, SelectedRows})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
                  identity: dict | None = None):
@@ -484,7 +484,19 @@ class LlamaCppRuntime(TokenSequence):
     def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
         """Append tokens to the sequence; return logits of the last `n_logits` (a fresh array)."""
         ids = self._check_append(tokens, n_logits)
-        n = len(ids)
+        return self._decode(ids, np.arange(len(ids) - n_logits, len(ids)))
+
+    def decode_rows(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """Append tokens; return logits of tokens[rows] only: llama.cpp computes the output rows of
+        the tokens flagged in the batch, nothing for the others."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        ids = self._check_append(tokens, len(rows))
+        if len(rows) and (rows[0] < 0 or rows[-1] >= len(ids) or (np.diff(rows) <= 0).any()):
+            raise ValueError(f"rows must be increasing indices into the {len(ids)} tokens, got {rows.tolist()}")
+        return self._decode(ids, rows)
+
+    def _decode(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        n, n_logits = len(ids), len(rows)
         if not self._ctx:  # closed (a memory guard dropped this draft model): fail clearly, never in C
             raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         rows_max = self.options.n_outputs_max
@@ -492,14 +504,15 @@ class LlamaCppRuntime(TokenSequence):
             raise EdgespecError(f"{n_logits} logits rows asked of a context sized for {rows_max} (the memory "
                                 f"plan's draft length + 1); draft at most {rows_max - 1} tokens or re-plan")
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
-        first_logit = n - n_logits
+        out_row = np.full(n, -1, dtype=np.int64)  # each token's row in `out`; -1 = no logits
+        out_row[rows] = np.arange(n_logits)
         for start in range(0, n, self.n_batch):
             chunk = ids[start:start + self.n_batch]
             m = len(chunk)
             self._batch.n_tokens = m
             self._batch_token[:m] = chunk
             self._batch_pos[:m] = np.arange(self._n_past, self._n_past + m, dtype=np.int32)
-            wanted = np.arange(start, start + m) >= first_logit
+            wanted = out_row[start:start + m] >= 0
             self._batch_logits[:m] = wanted
             rc = ll.llama_decode(self._ctx, self._batch)
             self.n_decode_calls += 1
@@ -512,7 +525,7 @@ class LlamaCppRuntime(TokenSequence):
             self._n_past += m
             for i in np.flatnonzero(wanted):
                 row = ll.llama_get_logits_ith(self._ctx, int(i))
-                out[start + i - first_logit] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
+                out[out_row[start + i]] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
         self._max_logit_rows = max(self._max_logit_rows, n_logits)
         return out
 
@@ -763,7 +776,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
 
     # The one-sequence API does not apply (trees and saved state included): each call must say which
     # sequence it means.
-    decode = truncate = save_state = load_state = decode_tree = keep_tree_path = n_past = tokens = NotOffered(
+    decode = decode_rows = truncate = save_state = load_state = decode_tree = keep_tree_path = n_past = tokens = NotOffered(
         "LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")  # type: ignore[assignment]
 
     def _check_seq(self, seq: int) -> None:

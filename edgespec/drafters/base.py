@@ -35,6 +35,8 @@ class Draft:
     #                                       tokens[:i] did (suffix drafting); None = not given
     forced: int = 0  # the first `forced` tokens are a constraint's forced continuation (a chain
     #                  under any tree), not the drafter's
+    certain: np.ndarray | None = None  # bool (forced,): forced token i is the only token the grammar
+    #                                    admits there, so its row need not be computed (Engine.verify_rows)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -44,7 +46,8 @@ class Draft:
         if n >= len(self) or self.parents is not None:
             return self
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], None,
-                     None if self.confidence is None else self.confidence[:n], min(self.forced, n))
+                     None if self.confidence is None else self.confidence[:n], min(self.forced, n),
+                     None if self.certain is None else self.certain[:n])
 
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
