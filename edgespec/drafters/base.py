@@ -96,6 +96,7 @@ class DraftSources:
     """What an engine has to build its drafters from."""
 
     draft: Runtime | None = None              # the draft model, if one is loaded
+    target: Runtime | None = None             # the target (its own MTP head drafts, where it has one)
     history: "SuffixHistory | None" = None    # earlier generations' outputs (suffix drafting)
 
 

@@ -1,0 +1,91 @@
+"""The model's own MTP (NextN) head as a drafter (edgespec.drafters.mtp) on a tiny random GLM-4.5-MoE
+made here (tests/mtp_models.py, converted by llama.cpp's own convert_hf_to_gguf.py).
+
+Exactness as for every drafter: greedy through the engine's recorded checks with zero tolerance, and
+the sampled joint of three tokens against the target's exact one (chi-square) with a negative control.
+Random weights: the head's acceptance rate here says nothing about a real MTP model's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.audit import Fresh, Recorder, check_decisions, check_rows
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.errors import EdgespecError
+from edgespec.runtimes.base import NextTokenHeads
+from edgespec.runtimes.formats import gguf_nextn_layers
+from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppOptions, LlamaCppRuntime
+
+PROMPTS = [[5, 17, 33, 40, 12, 9, 17, 33], [100, 101, 102, 103], [7, 8, 9, 7, 8, 9, 7]]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    from mtp_models import write_mtp_gguf
+
+    return write_mtp_gguf(tmp_path_factory.mktemp("mtp"))
+
+
+def mtp_runtime(path, **options):
+    return LlamaCppMtpRuntime(path, LlamaCppOptions(**{"n_ctx": 256, "n_threads": 1, "n_batch": 64, **options}))
+
+
+def test_the_converted_model_has_a_head_and_the_runtime_declares_it(mtp_model):
+    assert gguf_nextn_layers(mtp_model) == 1
+    with mtp_runtime(mtp_model) as rt:
+        assert rt.n_next_token_heads == 1
+        assert NextTokenHeads in rt.capabilities
+        rt.decode(PROMPTS[0], 1)
+        rows = rt.hidden_rows(-1, len(PROMPTS[0]))
+        assert not rows[0].any() and all(rows[1:].any(axis=1))  # position -1 reads zeros
+
+
+def test_a_model_without_nextn_layers_is_refused(tiny_pair):
+    assert gguf_nextn_layers(tiny_pair["target"]) == 0
+    with pytest.raises(EdgespecError, match="no MTP"):
+        mtp_runtime(tiny_pair["target"])
+
+
+def test_the_head_drafts_from_the_targets_rows(mtp_model):
+    """Drafting twice from the same context gives the same chain (the head's KV is rolled back to the
+    committed text after each draft), and a chunked catch-up equals a one-batch one."""
+    from edgespec.drafters.mtp import MtpDrafter
+    from edgespec.sampling import Sampler, SamplingParams
+
+    context = np.asarray(PROMPTS[0] * 3, dtype=np.int32)
+    chains = []
+    for n_batch in (64, 8):
+        with mtp_runtime(mtp_model, n_batch=n_batch) as rt:
+            rt.decode(context[:-1], 0)
+            drafter = MtpDrafter(rt)
+            sampler = Sampler(SamplingParams(temperature=0.0), seed=0)
+            first = drafter.propose(context, 4, sampler).tokens.tolist()
+            assert drafter.head.tokens.tolist() == context.tolist()
+            assert drafter.propose(context, 4, sampler).tokens.tolist() == first
+            chains.append(first)
+    assert chains[0] == chains[1] and len(chains[0]) == 4
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_k=40, top_p=0.95,
+                                                                       repeat_penalty=1.1)], ids=["greedy", "chain"])
+def test_every_emitted_token_is_the_rules_on_its_recorded_rows(mtp_model, sampling):
+    fresh_rt = LlamaCppRuntime(mtp_model, LlamaCppOptions(n_ctx=256, n_threads=1))
+    with Engine(mtp_runtime(mtp_model)) as engine:
+        assert "mtp" in engine.drafters
+        engine.recorder = Recorder()
+        drafted = 0
+        for seed, prompt in enumerate(PROMPTS):
+            engine.recorder.passes.clear()
+            result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode="mtp", draft_max=3,
+                                                                     seed=seed, **sampling))
+            passes = list(engine.recorder.passes)
+            assert check_decisions(passes, prompt, result.tokens) == result.stats.rounds
+            check_rows(passes, Fresh(fresh_rt))
+            drafted += result.stats.drafted
+            if not sampling["temperature"]:
+                plain = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode="ar", **sampling))
+                assert result.tokens == plain.tokens
+    fresh_rt.close()
+    assert drafted > 0
