@@ -89,3 +89,27 @@ def test_every_emitted_token_is_the_rules_on_its_recorded_rows(mtp_model, sampli
                 assert result.tokens == plain.tokens
     fresh_rt.close()
     assert drafted > 0
+
+
+@pytest.mark.slow
+def test_sampling_through_the_head_keeps_the_targets_distribution(mtp_model):
+    """Chi-square of the first three sampled tokens (top-k 4) against the exact joint; the same test
+    must reject a verifier that accepts every draft (the negative control)."""
+    from test_lossless_sampling import ALPHA, SAMPLING, accept_every_draft, chi_square_pvalue, exact_joint
+
+    prompt = PROMPTS[0]
+    plain = LlamaCppRuntime(mtp_model, LlamaCppOptions(n_ctx=256, n_threads=1))
+    joint = exact_joint(plain, prompt)
+    plain.close()
+    with Engine(mtp_runtime(mtp_model)) as engine:
+        for verifier, exact in ((None, True), (accept_every_draft, False)):
+            samples, drafted = [], 0
+            for seed in range(2000):
+                result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=3, mode="mtp", draft_max=2,
+                                                                         seed=seed, **SAMPLING), verifier=verifier)
+                samples.append(tuple(result.tokens))
+                drafted += result.stats.drafted
+            p = chi_square_pvalue(samples, joint)
+            print(f"\nmtp, verifier {getattr(verifier, '__name__', 'exact')}: chi-square p = {p:.3g}, {drafted} drafted")
+            assert drafted > 0
+            assert (p > ALPHA) == exact
