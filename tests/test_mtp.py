@@ -113,3 +113,34 @@ def test_sampling_through_the_head_keeps_the_targets_distribution(mtp_model):
             print(f"\nmtp, verifier {getattr(verifier, '__name__', 'exact')}: chi-square p = {p:.3g}, {drafted} drafted")
             assert drafted > 0
             assert (p > ALPHA) == exact
+
+
+def test_auto_weighs_the_head_by_its_measured_step(mtp_model):
+    """The profile times one MTP head step; auto prices the mtp drafter by it (not the draft model's
+    step) and stays exact."""
+    from edgespec.machine.profile import measure_profile
+    from edgespec.policy import AdaptivePolicy
+
+    with Engine(mtp_runtime(mtp_model)) as engine:
+        profile = measure_profile(engine.target, budget_s=0.5)
+        assert profile.mtp_s and profile.mtp_s > 0 and profile.draft_s is None
+        engine._profile = profile
+        policy = AdaptivePolicy(profile, *engine.drafters.values(), k_max=3)
+        cheap = policy.model_speeds("mtp", 3)
+        profile.mtp_s *= 100
+        assert (policy.model_speeds("mtp", 3)[1:] < cheap[1:]).all()
+        profile.mtp_s /= 100
+        engine.recorder = Recorder()
+        result = engine.generate_tokens(PROMPTS[0], GenerationConfig(max_tokens=16, mode="auto", temperature=0.0))
+        assert check_decisions(list(engine.recorder.passes), PROMPTS[0], result.tokens) == result.stats.rounds
+
+
+def test_mode_mtp_on_a_model_without_nextn_layers_is_one_line_exit_2(tiny_pair):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", "hi", "--mode", "mtp",
+                           "--target", str(tiny_pair["target"]), "--max-tokens", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "no MTP (NextN) layers" in done.stderr

@@ -87,4 +87,5 @@ def _build(sources) -> MtpDrafter | None:
 
 MTP = DrafterSpec(
     "mtp", DrafterKind.MODEL, "the model's own MTP (NextN) head", default_k=3, build=_build,
+    step_s=lambda profile: profile.mtp_s, catchup_s=lambda profile: profile.mtp_s,  # drafts re-read, no catch-up pair
     unavailable="--mode mtp needs a model with MTP (NextN) layers (`edgespec models list` shows which have one)")
