@@ -350,13 +350,13 @@ def models_list() -> None:
         title=f"models in {store.models_dir()}", title_justify="left",
         box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,  # fits 80 columns
     )
-    for column in ("name", "size", "quant", "draft", "mtp", "cached", "disk"):
+    for column in ("name", "size", "quant", "draft", "cached", "disk", "mtp"):  # mtp last: scripts read by position
         table.add_column(column, no_wrap=True)
     for e in catalog.entries():
         size = on_disk.get(e.name)
         table.add_row(
             e.name, _bytes_h(e.size_bytes), e.quant,
-            e.draft or "-", _mtp_cell(e, heads.get(e.name)), "yes" if size else "no", _bytes_h(size) if size else "-",
+            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-", _mtp_cell(e, heads.get(e.name)),
         )
     console = Console()
     console.print(table)

@@ -462,7 +462,7 @@ def test_model_advice_follows_memory(here, monkeypatch):
     from edgespec.models import pairs
 
     # The largest recommended pair whose planner-predicted peak fits (models/pairs.json).
-    expected = {p.target.source: p.expected_bytes() for p in pairs.pairs()}
+    expected = {p.target.source: p.expected_bytes() for p in pairs.pairs() if p.usable}  # runnable pairs only
     for budget in (8 * gib, 3 * gib, 1 * gib):
         got = models_for(budget)
         assert got["need_bytes"] <= budget and got["pull"] == [got["target"], got["draft"]]

@@ -263,7 +263,7 @@ def _recommended_pair(budget: int, basis: "SpeedBasis | None" = None) -> tuple[A
         from edgespec.models import pairs
     except Exception:  # advice must answer even where the pairs catalog cannot load
         return None
-    fitting = sorted((p for p in pairs.pairs() if p.expected_bytes() <= budget), key=lambda p: p.expected_bytes(),
+    fitting = sorted((p for p in pairs.pairs() if p.usable and p.expected_bytes() <= budget), key=lambda p: p.expected_bytes(),
                      reverse=True)
     if not fitting:
         return None
@@ -273,6 +273,12 @@ def _recommended_pair(budget: int, basis: "SpeedBasis | None" = None) -> tuple[A
     usable = [p for p in fitting if speed[p.name] >= USABLE_TOK_S]
     pair = usable[0] if usable else max(fitting, key=lambda p: speed[p.name])
     return pair, pair.expected_bytes(), speed[pair.name]
+
+
+def _mtp_note(pair) -> str:
+    """Says so where the pair's target file carries an MTP (NextN) head: it drafts without the draft model."""
+    heads = getattr(pair.target, "mtp_heads", 0)
+    return f"; its target carries an MTP head ({heads} NextN layer{'s' if heads > 1 else ''}: --mode mtp)" if heads else ""
 
 
 def model_need_bytes(*size_bytes: int) -> int:
@@ -330,7 +336,7 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
         return [Advice(
             "models", f"the {chosen} recommended pair that fits is {pair.target.name} with draft {pair.draft.name} "
             f"({_gib(need)} predicted by the memory planner at a 4096-token context, of {_gib(budget)} {what}; "
-            f"{speed}); {why_mode}. Fetch it, then run it:",
+            f"{speed}){_mtp_note(pair)}; {why_mode}. Fetch it, then run it:",
             f"{pair.pull_command()} && {pair.run_command()} --mode auto",
             {"target": pair.target.source, "draft": pair.draft.source, "mode": "auto", "n_gpu_layers": gpu_layers,
              "n_threads": threads, "need_bytes": need, "budget_bytes": budget, "family": pair.family,
