@@ -1062,6 +1062,13 @@ class LlamaCppMtpRuntime(LlamaCppRuntime):
             rows[lo - start:hi - start][ok] = self._hidden[lo:hi][ok]
         return rows
 
+    def memory(self) -> MemoryReport:
+        """The target's, plus the hidden rows the head reads (n_ctx x n_embd float32). The head's own KV (one
+        NextN layer) and compute buffers are llama.cpp's, allocated when the head is first asked."""
+        report = super().memory()
+        report.other["mtp_hidden_rows"] = int(self._hidden.nbytes)
+        return report
+
     def next_token_head(self) -> "LlamaCppMtpHead":
         if self._head is None:
             self._head = LlamaCppMtpHead(self)

@@ -144,3 +144,12 @@ def test_mode_mtp_on_a_model_without_nextn_layers_is_one_line_exit_2(tiny_pair):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "no MTP (NextN) layers" in done.stderr
+
+
+def test_the_header_scan_reads_no_head_from_what_is_not_a_gguf(tmp_path, mtp_model):
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
+    (tmp_path / "cut.gguf").write_bytes(mtp_model.read_bytes()[:200])
+    assert gguf_nextn_layers(tmp_path / "x.gguf") == 0 and gguf_nextn_layers(tmp_path / "cut.gguf") == 0
+    assert gguf_nextn_layers(tmp_path / "missing.gguf") == 0
+    with mtp_runtime(mtp_model) as rt:
+        assert rt.memory().other["mtp_hidden_rows"] == rt.n_ctx * rt.n_embd * 4
