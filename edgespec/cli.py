@@ -71,6 +71,17 @@ def auto_draft_option(target: str | None, draft: str | None, mode: str | None = 
     return choose_draft(target, draft, mode=mode, notify=lambda message: typer.echo(message, err=True))
 
 
+def check_mtp_target(target: str | None) -> None:
+    """`--mode mtp` on a model without NextN layers: one line, before any model loads (read from the GGUF header)."""
+    from edgespec.loader import resolve
+    from edgespec.runtimes.formats import gguf_nextn_layers
+
+    path = resolve(target)
+    if gguf_nextn_layers(path) == 0:
+        raise EdgespecError(f"--mode mtp: {path.name} has no MTP (NextN) layers to draft with; use --mode auto, "
+                            "or a model that has an MTP head (`edgespec models list` shows which do)")
+
+
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
@@ -83,6 +94,8 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
 
+    if mode == "mtp" and runtime == "llamacpp":
+        check_mtp_target(target)
     if runtime != "mlx":  # draft auto picks among installed GGUF models; mlx reports it (edgespec.loader)
         draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
@@ -311,6 +324,13 @@ def _bytes_h(n: int) -> str:
     return f"{n} B"
 
 
+def _mtp_cell(entry, n_heads: int | None) -> str:
+    """Whether a model carries an MTP head: from the cached GGUF's header, else what the catalog says."""
+    if n_heads is None:
+        n_heads = getattr(entry, "mtp_heads", 0) or 0
+    return f"yes ({n_heads})" if n_heads else "-"
+
+
 @models_app.command("list")
 def models_list() -> None:
     """Show the catalog, which models are cached, and the disk they use."""
@@ -320,18 +340,22 @@ def models_list() -> None:
 
     from edgespec.models import catalog, store
 
-    on_disk = {entry.name: size for entry, _, size in store.cached()}
+    from edgespec.runtimes.formats import gguf_nextn_layers
+
+    cached = list(store.cached())
+    on_disk = {entry.name: size for entry, _, size in cached}
+    heads = {entry.name: gguf_nextn_layers(path) for entry, path, _ in cached}  # read from the GGUF header
     table = Table(
         title=f"models in {store.models_dir()}", title_justify="left",
         box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,  # fits 80 columns
     )
-    for column in ("name", "size", "quant", "draft", "cached", "disk"):
+    for column in ("name", "size", "quant", "draft", "cached", "disk", "mtp"):  # mtp last: scripts read by position
         table.add_column(column, no_wrap=True)
     for e in catalog.entries():
         size = on_disk.get(e.name)
         table.add_row(
             e.name, _bytes_h(e.size_bytes), e.quant,
-            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-",
+            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-", _mtp_cell(e, heads.get(e.name)),
         )
     console = Console()
     console.print(table)

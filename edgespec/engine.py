@@ -153,7 +153,7 @@ class Engine:
         anew from the table (edgespec.drafters.table) over it and the draft model, if any."""
         history.key = history.key or vocabulary_key(self.target)
         self.history = history
-        self.drafters = build_drafters(DraftSources(draft=self.draft_runtime, history=history))
+        self.drafters = build_drafters(DraftSources(draft=self.draft_runtime, target=self.target, history=history))
 
     def cost_profile(self, refresh: bool = False):
         """The measured costs `--mode auto` weighs (cached on disk per model, build, device, threads)."""

@@ -175,11 +175,15 @@ def load_runtime(name: Name | None, options: LoadOptions = LoadOptions(), *, n_s
     return open_llamacpp(resolve(name), options.llamacpp(), n_seq=n_seq)
 
 
-def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
-    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's)."""
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime
+def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None, mtp: bool = False):
+    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's).
+    `mtp`: a target whose GGUF carries NextN layers opens with its MTP head (the `mtp` drafter)."""
+    from edgespec.runtimes.formats import gguf_nextn_layers
+    from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppRuntime
 
     identity = store.model_identity(path)
+    if n_seq is None and mtp and gguf_nextn_layers(path) > 0:
+        return LlamaCppMtpRuntime(path, llama_options, identity=identity)
     if n_seq is None:
         return LlamaCppRuntime(path, llama_options, identity=identity)
     return LlamaCppMultiSeqRuntime(path, llama_options, n_seq=n_seq, identity=identity)
@@ -188,7 +192,7 @@ def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
 def open_llamacpp_pair(target_path: Path, target_options, draft_path: Path | None, draft_options, *,
                        n_seq: int | None = None):
     """(target, draft or None) on resolved files; the target is closed again if the draft fails."""
-    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq)
+    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq, mtp=True)
     try:
         draft_rt = open_llamacpp(draft_path, draft_options, n_seq=n_seq) if draft_path is not None else None
     except BaseException:

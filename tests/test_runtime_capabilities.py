@@ -9,8 +9,8 @@ import pytest
 
 from conftest import load_runtime
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.base import (OPTIONAL_PROTOCOLS, GrammarVocabulary, ModelIdentity, NotOffered, Runtime, SavedState,
-                                    SelectedRows, SeveralSequences, Sizing, TreeDecoding)
+from edgespec.runtimes.base import (OPTIONAL_PROTOCOLS, GrammarVocabulary, ModelIdentity, NextTokenHeads, NotOffered, Runtime,
+                                    SavedState, SelectedRows, SeveralSequences, Sizing, TreeDecoding)
 
 
 def protocol_members(protocol: type, *, inherited: bool, attributes: bool) -> set[str]:
@@ -55,12 +55,12 @@ def declaration_mismatches(obj) -> list[str]:
 def runtime_classes() -> list[type]:
     from edgespec.exporters.coreml_reference import TorchReferenceRuntime
     from edgespec.runtimes.coreml import CoreMLRuntime
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
+    from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
     from edgespec.runtimes.mlx import MlxRuntime
     from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime
     from edgespec.runtimes.onnxrt import OnnxRuntime
 
-    return [LlamaCppRuntime, LlamaCppMultiSeqRuntime, LlamaCppSequence, OnnxRuntime, LayeredOnnxRuntime,
+    return [LlamaCppRuntime, LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppSequence, OnnxRuntime, LayeredOnnxRuntime,
             CoreMLRuntime, TorchReferenceRuntime, MlxRuntime]
 
 
@@ -72,6 +72,8 @@ def test_the_protocols_name_their_members():
         "save_state", "load_state", "path", "compatibility_key"}
     assert {"n_seq", "decode_batch", "sequence", "seq_truncate"} <= protocol_members(
         SeveralSequences, inherited=True, attributes=True)
+    assert protocol_members(NextTokenHeads, inherited=True, attributes=True) == {
+        "n_next_token_heads", "hidden_rows", "next_token_head"}
 
 
 @pytest.mark.parametrize("cls", runtime_classes(), ids=lambda c: c.__name__)

@@ -99,6 +99,7 @@ class DraftSources:
     """What an engine has to build its drafters from."""
 
     draft: Runtime | None = None              # the draft model, if one is loaded
+    target: Runtime | None = None             # the target (its own MTP head drafts, where it has one)
     history: "SuffixHistory | None" = None    # earlier generations' outputs (suffix drafting)
 
 
@@ -112,6 +113,8 @@ class DrafterSpec:
     default_k: int            # tokens drafted per round under --mode NAME
     build: Callable[[DraftSources], "Drafter | None"]  # None: not available with these sources
     ask_s: Callable[["CostProfile"], float] | None = None  # COPIES: what auto pays to ask it once a round
+    step_s: Callable[["CostProfile"], "float | None"] = lambda profile: profile.draft_s  # MODEL: one drafted token
+    catchup_s: Callable[["CostProfile"], "float | None"] = lambda profile: profile.draft_catchup_s  # MODEL: two tokens
     trees: bool = False       # can widen a proposal into a token tree (honours `branch`)
     confident: bool = False   # states a confidence per token, which auto calibrates (ConfidenceCalibration)
     unavailable: str = ""     # the error for --mode NAME when `build` gives None
