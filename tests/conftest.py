@@ -81,5 +81,10 @@ def hybrid_ggufs(smollm2_path, tmp_path_factory) -> dict[str, Path]:
     SmolLM2's vocabulary, converted by llama.cpp's own convert_hf_to_gguf.py (tests/hybrid_models.py)."""
     from hybrid_models import ARCHITECTURES, hybrid_gguf
 
-    root = tmp_path_factory.mktemp("hybrid")
+    import os
+
+    # EDGESPEC_HYBRID_DIR keeps them between runs (files named by architecture and seed; delete the
+    # folder after changing tests/hybrid_models.py)
+    root = Path(os.environ["EDGESPEC_HYBRID_DIR"]) if os.environ.get("EDGESPEC_HYBRID_DIR") else \
+        tmp_path_factory.mktemp("hybrid")
     return {arch: hybrid_gguf(arch, root, smollm2_path) for arch in ARCHITECTURES}

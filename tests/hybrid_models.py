@@ -22,13 +22,14 @@ N_VOCAB = 49152  # SmolLM2's
 
 # Each architecture: two recurrent layers around one attention layer, so rollback must restore
 # recurrent state on both sides of a KV cache.
+INIT_RANGE = 0.3  # wide random weights: varied text, so drafts get rejected (the default 0.02 repeats one token)
 WIDTH = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
 def _config(arch: str, bos: int, eos: int):
     from transformers import GraniteMoeHybridConfig, Lfm2Config, Qwen3NextConfig
 
-    ids = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    ids = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, initializer_range=INIT_RANGE)
     if arch == "lfm2":
         return Lfm2Config(vocab_size=N_VOCAB, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                           conv_L_cache=3, max_position_embeddings=2048, tie_word_embeddings=True,

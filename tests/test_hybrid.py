@@ -1,0 +1,172 @@
+"""Hybrid recurrent models (LFM2, Qwen3-Next, Granite 4 / Mamba-2) speculate exactly.
+
+The models are tiny random-weight ones of the real architectures (tests/hybrid_models.py), converted
+by llama.cpp's own converter. A rejected draft must leave no trace in the recurrent state: the
+runtime restores a checkpoint and replays the accepted tokens (runtimes/llamacpp.py,
+RecurrentCheckpoints). Checked with the engine's exactness checks (edgespec.audit): every decision
+re-run with zero tolerance, every row against a fresh evaluation of its committed prefix; and a
+negative control (a rejected token left in the recurrent state) that the row check must catch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import llama_cpp as ll
+
+from conftest import load_runtime
+from edgespec.audit import ExactnessError, Fresh, Recorder, check_decisions, check_rows
+from edgespec.engine import Engine, GenerationConfig
+from edgespec.errors import EdgespecError
+from edgespec.machine.profile import CostProfile
+from edgespec.runtimes.base import TreeDecoding
+from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions, LlamaCppRuntime, quantize
+
+ARCHS = ("lfm2", "qwen3next", "granitehybrid")
+K = 4
+FLAT_VERIFY = CostProfile({n: 0.01 for n in (1, 2, 3, 4, 6, 8)}, 0.001, 0.0012, 0.00005)  # auto drafts
+
+
+def rt(path, **options):
+    return load_runtime(path, **{"n_ctx": 512, "n_threads": 1, **options})
+
+
+@pytest.fixture(scope="module")
+def models(hybrid_ggufs, tmp_path_factory):
+    """Each architecture with a q8_0 copy of itself as its draft: mostly accepted, sometimes rejected,
+    and a recurrent draft model that rolls back too."""
+    root = tmp_path_factory.mktemp("hybrid-drafts")
+    return {a: (p, quantize(p, root / f"{a}-q8_0.gguf", "q8_0")) for a, p in hybrid_ggufs.items()}
+
+
+def fresh_for(path):
+    return Fresh(rt(path), chunks=(1, 3, K + 1))  # the pass sizes generations use: plain steps, k + 1
+
+
+def prompt_of(runtime):
+    return runtime.tokenize("The cat sat on the mat. The cat sat on the mat. The dog", add_special=True,
+                            parse_special=True)
+
+
+def test_hybrids_are_detected_and_offer_no_trees(models):
+    for arch, (path, _) in models.items():
+        with rt(path, n_seq_max=4) as runtime:
+            assert runtime.recurrent, arch
+            assert TreeDecoding not in runtime.capabilities
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculation_is_exact_on_every_drafter(models, arch):
+    path, draft = models[arch]
+    fresh = fresh_for(path)
+    with Engine(rt(path), rt(draft)) as engine:
+        prompt = prompt_of(engine.target)
+        plain = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode="ar", temperature=0)).tokens
+        restored = 0
+        for mode in ("draft", "lookup", "suffix", "auto"):
+            engine._profile = FLAT_VERIFY
+            engine.recorder = Recorder()
+            before = engine.target._checkpoints.n_restored
+            result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode=mode, draft_max=K,
+                                                                     temperature=0))
+            assert result.tokens == plain, mode
+            passes = list(engine.recorder.passes)
+            assert check_decisions(passes, prompt, result.tokens) == result.stats.rounds
+            report = check_rows(passes, fresh)
+            restored += engine.target._checkpoints.n_restored - before
+            print(f"\n{arch} {mode}: drafted {result.stats.drafted}, accepted {result.stats.accepted}; {report}")
+        assert restored > 0  # rejected drafts were rolled back through checkpoints
+    fresh.runtime.close()
+
+
+class LeavesRejectedInRecurrentState(LlamaCppRuntime):
+    """At its first rollback, cuts the KV back but leaves the recurrent state as the rejected pass
+    left it (the next pass reads rows from it). Later rollbacks replay from the start: the
+    checkpoints taken since then carry the dirty state's position, which llama.cpp cannot cut."""
+
+    dirtied = False
+
+    def _rollback_recurrent(self, n):
+        if self.dirtied:
+            self._checkpoints.forget(0)
+            return super()._rollback_recurrent(n)
+        self.dirtied = True
+        flags = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = ll.llama_state_seq_get_size_ext(self._ctx, 0, flags)
+        dirty = (ctypes.c_uint8 * size)()
+        used = ll.llama_state_seq_get_data_ext(self._ctx, dirty, size, 0, flags)
+        super()._rollback_recurrent(n)
+        ll.llama_state_seq_set_data_ext(self._ctx, dirty, used, 0, flags)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_negative_control_a_rejected_token_left_in_the_recurrent_state_fails_the_row_check(models, arch,
+                                                                                          smollm2_path):
+    path, _ = models[arch]
+    target = LeavesRejectedInRecurrentState(path, LlamaCppOptions(n_ctx=512, n_threads=1))
+    with Engine(target, rt(smollm2_path)) as engine:  # another model with the same vocabulary: drafts rejected
+        engine.recorder = Recorder()
+        prompt = prompt_of(target)
+        result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=16, mode="draft", draft_max=K,
+                                                                 temperature=0))
+        assert result.stats.drafted > result.stats.accepted
+        check_decisions(engine.recorder.passes, prompt, result.tokens)
+        fresh = fresh_for(path)
+        with pytest.raises(ExactnessError, match="beyond the measured batch-shape spread") as caught:
+            check_rows(engine.recorder.passes, fresh)
+        fresh.runtime.close()
+    print(f"\n{arch}: {caught.value}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_several_sequences_roll_back_each_its_own_state(models, arch):
+    """--parallel and the cloud verifier: sequences in one pass, each rolled back on its own."""
+    path, _ = models[arch]
+    rng = np.random.default_rng(1)
+    a, b = (rng.integers(100, 40000, 12).tolist() for _ in range(2))
+    with LlamaCppMultiSeqRuntime(path, LlamaCppOptions(n_ctx=512, n_threads=1), n_seq=2) as pool, \
+            rt(path, flash_attn=False) as alone:  # the pool computes attention without flash attention
+        pool.decode_batch([(0, a[:8], 0), (1, b[:6], 0)])
+        pool.decode_batch([(0, a[8:], 4), (1, b[6:], 6)])
+        pool.seq_truncate(0, 9)
+        pool.seq_truncate(1, 7)
+        got = pool.decode_batch([(0, [a[9]], 1), (1, [b[7]], 1)])
+        for row, prefix in zip(got, (a[:10], b[:8])):
+            alone.truncate(0)
+            want = alone.decode(prefix, 1)
+            assert np.abs(row - want).max() < 1e-3, arch
+            assert int(row.argmax()) == int(want.argmax())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_reuse_and_saved_sessions(models, arch):
+    """A second prompt sharing a prefix reuses the state (truncating into the prompt), and a saved
+    state restored in another runtime continues as the original."""
+    path, _ = models[arch]
+    config = GenerationConfig(max_tokens=8, mode="lookup", draft_max=K, temperature=0)
+    with Engine(rt(path)) as engine, Engine(rt(path)) as other:
+        first = prompt_of(engine.target)
+        engine.generate_tokens(first, config)
+        second = first[:-3] + engine.target.tokenize(" a bird flew", add_special=False, parse_special=False)
+        reused = engine.generate_tokens(second, config)
+        assert reused.stats.cached_tokens > 0
+        assert reused.tokens == other.generate_tokens(second, config).tokens
+        blob, held = engine.target.save_state(), engine.target.tokens
+        other.target.load_state(blob, held)
+        cont = engine.target.tokenize(" and then", add_special=False, parse_special=False)
+        assert np.array_equal(engine.target.decode(cont, 1), other.target.decode(cont, 1))
+
+
+def test_bad_input_is_one_clear_error(models, tiny_pair):
+    path, _ = models["lfm2"]
+    with pytest.raises(EdgespecError, match="vocab"):
+        Engine(rt(path), rt(tiny_pair["target"]))
+    with rt(path) as hybrid, rt(models["qwen3next"][0]) as other:
+        blob = other.save_state() if other.decode(prompt_of(other), 0) is not None else b""
+        with pytest.raises(EdgespecError):
+            hybrid.load_state(blob, prompt_of(other))
