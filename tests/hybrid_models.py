@@ -50,6 +50,11 @@ def _config(arch: str, bos: int, eos: int):
                                       shared_intermediate_size=128,
                                       position_embedding_type="rope", max_position_embeddings=2048,
                                       tie_word_embeddings=True, **WIDTH, **ids)
+    if arch == "qwen3":  # not hybrid: an attention-only architecture our own converter does not write
+        from transformers import Qwen3Config
+
+        return Qwen3Config(vocab_size=N_VOCAB, num_hidden_layers=2, head_dim=16, max_position_embeddings=2048,
+                           tie_word_embeddings=True, **WIDTH, **ids)
     raise ValueError(f"unknown hybrid architecture {arch!r}; one of {ARCHITECTURES}")
 
 

@@ -278,3 +278,35 @@ def test_smollm2_requantized_agrees_with_the_original_file(smollm2_roundtrip, sm
     assert q4_1["top1_agreement"] >= 0.9
     assert q4_k_m["top1_agreement"] >= 0.8
     assert sample_tokens  # the export's own measure uses the same helper on its sample text
+
+
+# --- architectures llama.cpp's own converter writes ------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3", "lfm2", "qwen3next", "granitehybrid"])
+def test_export_of_a_checkpoint_llama_cpp_converts_loads_and_generates(hybrid_ggufs, smollm2_path, arch, tmp_path):
+    """Qwen3 and the hybrids (tests/hybrid_models.py) go through llama.cpp's converter, then our quantize."""
+    from hybrid_models import write_hybrid_checkpoint
+
+    from edgespec.engine import Engine, GenerationConfig
+    from edgespec.exporters.gguf_export import export_gguf
+
+    if arch in hybrid_ggufs:
+        checkpoint = hybrid_ggufs[arch].with_name(hybrid_ggufs[arch].stem + "-hf")
+    else:
+        checkpoint = write_hybrid_checkpoint(arch, tmp_path / "hf", smollm2_path)
+    art = export_gguf(checkpoint, tmp_path, ["f16", "q8_0"], stem=arch)
+    assert set(art.files) == {"f16", "q8_0"} and art.tokenizer_pre == "smollm"
+    for path in art.files.values():
+        with Engine(load_runtime(path, n_ctx=256)) as engine:
+            result = engine.generate("hello", GenerationConfig(max_tokens=6, mode="lookup", temperature=0))
+            assert result.stats.generated == 6
+
+
+def test_export_of_an_unknown_architecture_is_one_line(tmp_path):
+    from edgespec.exporters.checkpoint import CheckpointError
+    from edgespec.exporters.gguf_export import export_gguf
+
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    with pytest.raises(CheckpointError, match="'NoSuchForCausalLM' is not supported.*LlamaForCausalLM") as caught:
+        export_gguf(tmp_path, tmp_path / "out", ["f16"])
+    assert "\n" not in str(caught.value)
