@@ -336,6 +336,11 @@ def _sizing(n_batch: int, n_threads: int, options: LlamaCppOptions) -> Sizing:
 # --- recurrent and hybrid models: rollback through checkpoints of the recurrent state -----------------
 
 CHECKPOINT_DEPTH = 9  # checkpoints kept per sequence: a draft model's k one-token steps (k <= 8) and one more
+# Per-token snapshots of the recurrent state that llama.cpp keeps inside each pass (n_rs_seq, for the
+# architectures it supports: LFM2, Qwen3.5, Nemotron-H, ...): a rollback of up to this many tokens of
+# the last pass is then a plain llama_memory_seq_rm, with no restore and no replay. It costs
+# (1 + window) copies of the recurrent state in memory. auto drafts at most 16.
+SNAPSHOT_WINDOW = 16
 
 
 class RecurrentCheckpoints:
@@ -346,10 +351,17 @@ class RecurrentCheckpoints:
     every pass the runtime saves the recurrent part of the sequence's state at the position the pass
     starts from (`llama_state_seq_get_data_ext` with PARTIAL_ONLY: the recurrent state alone, not the
     KV); a rollback to n restores the latest checkpoint at or before n, cuts the KV cells after it and
-    replays the kept tokens past it (`RecurrentRollback.rollback`). A verify pass that rejects drafts
-    thus costs one restore and one replay pass of the accepted tokens (measured in
-    edgespec.machine.profile). The last CHECKPOINT_DEPTH checkpoints of each sequence are kept in
-    reused buffers, so a draft model stepping one token at a time rolls back without a replay.
+    replays the kept tokens past it. A verify pass that rejects drafts thus costs one restore and one
+    replay pass of the accepted tokens (measured in edgespec.machine.profile). The last
+    CHECKPOINT_DEPTH checkpoints of each sequence are kept in reused buffers, so a draft model
+    stepping one token at a time rolls back without a replay.
+
+    Where llama.cpp keeps per-token snapshots inside a pass (SNAPSHOT_WINDOW), a rollback within the
+    last pass needs none of this: it is cut like attention KV. Measured on the tiny LFM2 (2 cores):
+    checkpoint 4 us, restore 13 us, a one-token replay pass 2.9 ms against a 3.6 ms verify pass; the
+    replay is the cost, so the snapshots (no replay) are used wherever the architecture has them.
+    The snapshots hold only the last pass: a rollback across passes (a draft model's one-token
+    steps) goes through the checkpoints.
     """
 
     FLAGS = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -391,6 +403,12 @@ class RecurrentCheckpoints:
             raise EdgespecError("llama.cpp refused a checkpoint of the recurrent state it saved itself")
         self.n_restored += 1
         return position
+
+    def drop_after(self, seq: int, n: int) -> None:
+        """Drop the checkpoints of `seq` past position n (the sequence was cut to n another way)."""
+        ring = self._rings.get(seq, [])
+        while ring and ring[-1][0] > n:
+            self._spare.append(ring.pop()[1])
 
     def forget(self, seq: int) -> None:
         """The sequence was replaced (a saved state loaded, a sequence cleared): its checkpoints no longer apply."""
@@ -450,6 +468,7 @@ class LlamaCppRuntime(TokenSequence):
         cparams.n_batch = options.n_batch
         cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
         cparams.n_seq_max = options.n_seq_max
+        cparams.n_rs_seq = SNAPSHOT_WINDOW  # llama.cpp sets it to 0 for architectures without the snapshots
         cparams.kv_unified = True  # sequences (tree branches, sessions) share one pool of cells
         cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
         cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
@@ -493,6 +512,8 @@ class LlamaCppRuntime(TokenSequence):
         self._max_logit_rows = 0
         self.recurrent = is_recurrent_model(self._model)
         self._checkpoints = RecurrentCheckpoints(self._ctx) if self.recurrent else None
+        self.snapshot_window = int(ll.llama_n_rs_seq(self._ctx)) if self.recurrent else 0
+        self._last_call_start: dict[int, float] = {}  # seq -> position its tokens in the last llama_decode began at
         if self.recurrent:  # a branch of recurrent state cannot be cut back to its path: chains only
             self.capabilities = self.capabilities - {TreeDecoding}
         self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
@@ -588,6 +609,7 @@ class LlamaCppRuntime(TokenSequence):
             rc = ll.llama_decode(self._ctx, self._batch)
             self.n_decode_calls += 1
             self.n_decoded_tokens += m
+            self._last_call_start[0] = self._n_past
             if rc != 0:
                 self.truncate(self._n_past)  # drop whatever part of the chunk got in
                 raise EdgespecError(f"llama_decode failed with code {rc} at position {self._n_past} "
@@ -709,6 +731,9 @@ class LlamaCppRuntime(TokenSequence):
     def _rollback_recurrent(self, n: int) -> None:
         """Truncate a recurrent or hybrid model to n: restore the latest checkpoint at or before n,
         drop the KV cells after it, replay the kept tokens past it (see RecurrentCheckpoints)."""
+        if self._cut_within_last_pass(0, n, self._n_past):
+            self._n_past = n
+            return
         kept = self._tokens[:n].copy()
         start = self._checkpoints.restore(0, n)
         if not ll.llama_memory_seq_rm(self._mem, 0, start if start else -1, -1):
@@ -716,6 +741,18 @@ class LlamaCppRuntime(TokenSequence):
         self._n_past = start
         if start < n:
             self._append(kept[start:], 0)
+
+    def _cut_within_last_pass(self, seq: int, n: int, held: int) -> bool:
+        """Roll `seq` back to n by llama.cpp's own snapshots when it can (within the last pass, inside
+        the window; single-use until the next pass); False: use the checkpoints."""
+        if not (self.snapshot_window and self._last_call_start.get(seq, np.inf) <= n
+                and held - n <= self.snapshot_window):
+            return False
+        if not ll.llama_memory_seq_rm(self._mem, seq, n, -1):
+            return False  # already cut once since the pass: llama.cpp refuses, nothing changed
+        self._last_call_start[seq] = np.inf
+        self._checkpoints.drop_after(seq, n)
+        return True
 
     # -- saved state ----------------------------------------------------------------------------
 
@@ -743,6 +780,7 @@ class LlamaCppRuntime(TokenSequence):
         self._n_past = n
         if self._checkpoints is not None:
             self._checkpoints.forget(0)
+            self._last_call_start.pop(0, None)
 
     # -- memory and lifetime --------------------------------------------------------------------
 
@@ -899,6 +937,9 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
 
     def _seq_rollback_recurrent(self, seq: int, n: int) -> None:
         """`seq_truncate` on a recurrent or hybrid model: restore, cut, replay (see RecurrentCheckpoints)."""
+        if self._cut_within_last_pass(seq, n, len(self._seq_tokens[seq])):
+            del self._seq_tokens[seq][n:]
+            return
         kept = self._seq_tokens[seq][:n]
         start = self._checkpoints.restore(seq, n)
         if not ll.llama_memory_seq_rm(self._mem, seq, start, -1):
@@ -973,6 +1014,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
                                     "fewer or shorter sessions, or a larger --ctx")
             for s in np.unique(seq_all[sl]).tolist():
                 self.passes_by_seq[s] += 1
+                self._last_call_start[s] = int(pos_all[sl][seq_all[sl] == s][0])
             for i, s in enumerate(seq_all[sl].tolist()):
                 self._seq_tokens[s].append(int(tok_all[start + i]))
             for i in np.flatnonzero(wanted):
@@ -1008,6 +1050,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
         self._seq_tokens[seq] = [int(t) for t in tokens]
         if self._checkpoints is not None:
             self._checkpoints.forget(seq)
+            self._last_call_start.pop(seq, None)
 
 
 class LlamaCppSequence:

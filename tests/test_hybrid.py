@@ -61,26 +61,29 @@ def test_hybrids_are_detected_and_offer_no_trees(models):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_speculation_is_exact_on_every_drafter(models, arch):
+def test_greedy_speculation_is_exact_on_every_drafter(models, arch, smollm2_path):
+    """Every drafter, with two draft models: the q8_0 copy (mostly accepted; a recurrent draft model
+    rolling back too) and SmolLM2 (same vocabulary, other weights: nearly every draft rejected)."""
     path, draft = models[arch]
     fresh = fresh_for(path)
-    with Engine(rt(path), rt(draft)) as engine:
-        prompt = prompt_of(engine.target)
-        plain = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode="ar", temperature=0)).tokens
-        restored = 0
-        for mode in ("draft", "lookup", "suffix", "auto"):
-            engine._profile = FLAT_VERIFY
-            engine.recorder = Recorder()
-            before = engine.target._checkpoints.n_restored
-            result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode=mode, draft_max=K,
-                                                                     temperature=0))
-            assert result.tokens == plain, mode
-            passes = list(engine.recorder.passes)
-            assert check_decisions(passes, prompt, result.tokens) == result.stats.rounds
-            report = check_rows(passes, fresh)
-            restored += engine.target._checkpoints.n_restored - before
-            print(f"\n{arch} {mode}: drafted {result.stats.drafted}, accepted {result.stats.accepted}; {report}")
-        assert restored > 0  # rejected drafts were rolled back through checkpoints
+    rejected = 0
+    for draft_model, modes in ((draft, ("draft", "lookup", "suffix", "auto")), (smollm2_path, ("draft",))):
+        with Engine(rt(path), rt(draft_model)) as engine:
+            prompt = prompt_of(engine.target)
+            plain = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode="ar", temperature=0)).tokens
+            for mode in modes:
+                engine._profile = FLAT_VERIFY
+                engine.recorder = Recorder()
+                result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=24, mode=mode, draft_max=K,
+                                                                         temperature=0))
+                assert result.tokens == plain, mode
+                passes = list(engine.recorder.passes)
+                assert check_decisions(passes, prompt, result.tokens) == result.stats.rounds
+                report = check_rows(passes, fresh)
+                rejected += result.stats.drafted - result.stats.accepted
+                print(f"\n{arch} {mode} ({draft_model.name}): drafted {result.stats.drafted}, accepted "
+                      f"{result.stats.accepted}; {report}")
+    assert rejected > 0  # rejected drafts were rolled back
     fresh.runtime.close()
 
 
@@ -170,3 +173,22 @@ def test_bad_input_is_one_clear_error(models, tiny_pair):
         blob = other.save_state() if other.decode(prompt_of(other), 0) is not None else b""
         with pytest.raises(EdgespecError):
             hybrid.load_state(blob, prompt_of(other))
+
+
+def test_the_profile_measures_rollback_and_auto_prices_it(models):
+    """Qwen3-Next and Mamba-2 roll back through checkpoints (a restore and a replay pass); LFM2 through
+    llama.cpp's own per-token snapshots (a cut, no replay). auto adds the rollback to every drafting round."""
+    from edgespec.machine.profile import measure_profile
+    from edgespec.policy import AdaptivePolicy
+
+    costs = {}
+    for arch in ("lfm2", "granitehybrid"):
+        with rt(models[arch][0]) as target:
+            assert bool(target.snapshot_window) == (arch == "lfm2")
+            costs[arch] = measure_profile(target, budget_s=1.0)
+    print(f"\nrollback: {', '.join(f'{a} {p.rollback_s * 1e3:.2f} ms (1-token pass {p.verify(1) * 1e3:.2f} ms)' for a, p in costs.items())}")
+    assert costs["granitehybrid"].rollback_s > 0  # a restore and a replay pass (without logits)
+    flat = CostProfile({n: 0.01 for n in range(1, 10)}, 0.001, 0.0012, 0.00005)
+    priced = CostProfile(dict(flat.verify_s), 0.001, 0.0012, 0.00005, rollback_s=0.01)
+    plain, cheap = (AdaptivePolicy(p, k_max=4)._verify_costs(4) for p in (flat, priced))
+    assert plain[0] == cheap[0] and np.allclose(cheap[1:], plain[1:] + 0.01)
