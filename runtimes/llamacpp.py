@@ -806,6 +806,10 @@ class LlamaCppRuntime(TokenSequence):
             total = sum(v for k, v in self.buffers.items() if k.endswith(suffix))
             if total:
                 other[name] = total
+        if self._checkpoints is not None:  # recurrent state (with llama.cpp's snapshots), rollback checkpoints
+            state = int(ll.llama_state_seq_get_size_ext(self._ctx, 0, RecurrentCheckpoints.FLAGS))
+            other["recurrent_state"] = state * (1 + self.snapshot_window) * self.options.n_seq_max
+            other["checkpoints"] = self._checkpoints.nbytes
         return MemoryReport(
             weights=int(ll.llama_model_size(self._model)),
             kv_cache=int(self.kv_bytes_per_token() * self.n_ctx),

@@ -192,3 +192,20 @@ def test_the_profile_measures_rollback_and_auto_prices_it(models):
     priced = CostProfile(dict(flat.verify_s), 0.001, 0.0012, 0.00005, rollback_s=0.01)
     plain, cheap = (AdaptivePolicy(p, k_max=4)._verify_costs(4) for p in (flat, priced))
     assert plain[0] == cheap[0] and np.allclose(cheap[1:], plain[1:] + 0.01)
+
+
+def test_the_memory_model_counts_recurrent_state_and_checkpoints(models):
+    from edgespec.machine.memory import facts_from_reader, recurrent_bytes
+    from edgespec.runtimes.llamacpp import CHECKPOINT_DEPTH
+
+    for arch, (path, _) in models.items():
+        facts = facts_from_reader(path)
+        with rt(path) as runtime:
+            runtime.decode(prompt_of(runtime), 1)
+            runtime.decode([runtime.vocab.eos], 1)  # checkpoints the state the prompt left
+            state = ll.llama_state_seq_get_size_ext(runtime._ctx, 0, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            assert facts.recurrent_state_bytes <= state < facts.recurrent_state_bytes + 256, arch  # + a header
+            assert facts.kv_layers == 1 + (arch == "qwen3next")  # the attention layer (and Qwen3-Next's MTP block)
+            report = runtime.memory().other
+            assert report["checkpoints"] >= state and report["recurrent_state"] >= state
+            assert recurrent_bytes(facts) >= facts.recurrent_state_bytes * (1 + CHECKPOINT_DEPTH)
