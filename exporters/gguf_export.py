@@ -28,7 +28,8 @@ import numpy as np
 import gguf
 
 from edgespec.errors import EdgespecError
-from edgespec.exporters.checkpoint import SUPPORTED_ARCHITECTURES, Checkpoint, CheckpointError, load_checkpoint
+from edgespec.exporters.checkpoint import (LLAMA_CPP_FAMILY, SUPPORTED_ARCHITECTURES, Checkpoint, CheckpointError,
+                                           load_checkpoint)
 from edgespec.exporters.progress import SILENT, Progress
 from edgespec.runtimes.hf_tokenizer import PARITY_TEXTS, HFTokenizer
 
@@ -399,6 +400,8 @@ def export_gguf(source: str | os.PathLike | Checkpoint, out_dir: str | os.PathLi
     if not quants:
         raise EdgespecError("no GGUF quantization asked for")
     check_quant_types(quants)
+    if isinstance(source, Checkpoint) and source.family == LLAMA_CPP_FAMILY:
+        source = source.path
     if not isinstance(source, Checkpoint) and n_layers is None:
         arch = checkpoint_architecture(source)
         if arch is not None and arch not in SUPPORTED_ARCHITECTURES:

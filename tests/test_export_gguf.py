@@ -310,3 +310,28 @@ def test_export_of_an_unknown_architecture_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="'NoSuchForCausalLM' is not supported.*LlamaForCausalLM") as caught:
         export_gguf(tmp_path, tmp_path / "out", ["f16"])
     assert "\n" not in str(caught.value)
+
+
+def test_edgespec_export_of_a_hybrid_checkpoint_makes_a_gguf_bundle(hybrid_ggufs, tmp_path):
+    """As a new user would: `edgespec export` of an LFM2 checkpoint with a quantized self-draft."""
+    from typer.testing import CliRunner
+
+    from edgespec.cli import app
+    from edgespec.exporters.bundle import read_manifest
+
+    checkpoint = hybrid_ggufs["lfm2"].with_name(hybrid_ggufs["lfm2"].stem + "-hf")
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(out), "--quant", "q8_0",
+                                      "--self-draft", "quant:q4_0", "--no-measure"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(out)
+    assert manifest["target"]["family"] == "llama.cpp" and manifest["tokenizer"]["llama_cpp_pre"] == "smollm"
+    for role in ("target", "draft"):
+        with load_runtime(out / manifest["formats"]["gguf"][role][0]["file"], n_ctx=128) as rt:
+            assert rt.recurrent
+    from test_cli import edgespec
+
+    proc = edgespec("export", checkpoint, "--out", tmp_path / "b2", "--format", "onnx")
+    error = proc.stderr.strip().splitlines()[-1]  # after the progress bar's line
+    assert proc.returncode == 2 and error.startswith("error: ") and "Traceback" not in proc.stderr
+    assert "'Lfm2ForCausalLM' is not supported" in error and "--format gguf" in error

@@ -209,3 +209,11 @@ def test_the_memory_model_counts_recurrent_state_and_checkpoints(models):
             report = runtime.memory().other
             assert report["checkpoints"] >= state and report["recurrent_state"] >= state
             assert recurrent_bytes(facts) >= facts.recurrent_state_bytes * (1 + CHECKPOINT_DEPTH)
+
+
+def test_bad_input_on_the_command_line_is_one_line_and_exit_2(models, tiny_pair):
+    """A hybrid target with a draft of another vocabulary."""
+    from test_cli import assert_user_error, edgespec
+
+    assert_user_error(edgespec("generate", "hello", "--target", models["lfm2"][0], "--draft", tiny_pair["target"],
+                               "--mode", "draft", "--max-tokens", "4"), "vocab")
