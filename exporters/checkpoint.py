@@ -200,7 +200,7 @@ def load_checkpoint(spec: str | os.PathLike, *, gguf_only: bool = False) -> Chec
     arch = architectures[0] if architectures else config.get("model_type", "unknown")
     family = SUPPORTED_ARCHITECTURES.get(arch)
     if family is None:
-        from edgespec.exporters.gguf_export import llama_cpp_architectures
+        from edgespec.exporters.llama_source import llama_cpp_architectures
 
         known = llama_cpp_architectures()
         if gguf_only and arch in known:

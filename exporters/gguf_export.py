@@ -308,17 +308,6 @@ def gguf_agreement(reference: str | os.PathLike, candidate: str | os.PathLike, t
 
 # --- every other architecture: llama.cpp's own converter --------------------------------------------
 
-def llama_cpp_architectures() -> frozenset[str]:
-    """The text-model architectures (config.json class names) the vendored convert_hf_to_gguf.py converts."""
-    import re
-
-    from edgespec.exporters.llama_source import llama_cpp_source
-
-    registry = (llama_cpp_source() / "conversion" / "__init__.py").read_text(encoding="utf-8")
-    table = registry.split("TEXT_MODEL_MAP", 1)[1].split("}", 1)[0]
-    return frozenset(re.findall(r'"(\w+)"\s*:', table))
-
-
 def checkpoint_architecture(path: str | os.PathLike) -> str | None:
     """The architecture a local checkpoint directory names in its config.json (None: none to read)."""
     import json
@@ -405,6 +394,8 @@ def export_gguf(source: str | os.PathLike | Checkpoint, out_dir: str | os.PathLi
     if not isinstance(source, Checkpoint) and n_layers is None:
         arch = checkpoint_architecture(source)
         if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
+            from edgespec.exporters.llama_source import llama_cpp_architectures
+
             known = llama_cpp_architectures()
             if arch not in known:
                 raise CheckpointError(f"{Path(source).name}: architecture {arch!r} is not supported; GGUF export "
