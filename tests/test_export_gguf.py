@@ -166,9 +166,9 @@ def test_unsupported_architecture_missing_config_and_unknown_quant(hf_tiny, tmp_
 
     bad = _copy_checkpoint(hf_tiny["llama"], tmp_path / "gpt2arch")
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["NoSuchLMHeadModel"]  # (GPT2LMHeadModel now goes through llama.cpp's converter)
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(EdgespecError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(EdgespecError, match="NoSuchLMHeadModel.*not supported.*LlamaForCausalLM"):
         export_gguf(bad, tmp_path / "out1", ["f16"])
     (bad / "config.json").unlink()
     with pytest.raises(EdgespecError, match="no config.json"):

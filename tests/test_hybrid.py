@@ -217,3 +217,27 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_2(models, tiny_pair)
 
     assert_user_error(edgespec("generate", "hello", "--target", models["lfm2"][0], "--draft", tiny_pair["target"],
                                "--mode", "draft", "--max-tokens", "4"), "vocab")
+
+
+@pytest.mark.slow  # 3 to 10 minutes on 2 shared cores (the pool's fresh shapes)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parallel_slots_on_a_hybrid_are_exact(models, arch):
+    """serve --parallel: four requests through slots of one shared context, a recurrent draft model's too."""
+    from test_exactness import GREEDY, run_slots
+
+    path, draft = models[arch]
+    with rt(path) as runtime:
+        text = "The cat sat on the mat. The cat sat on the mat."
+        prompts = [runtime.tokenize(t, add_special=True, parse_special=True)
+                   for t in (text, "A dog ran. A dog ran.", "one two three one two three", text + " The dog")]
+    runs, counters = run_slots({"target": path, "good_draft": draft}, GREEDY, "draft", prompts=prompts, max_tokens=16)
+    assert counters["batched_steps"] > 0
+    passes = []
+    for prompt, (result, own) in runs.items():
+        check_decisions(own, prompt, result.tokens)
+        passes += own
+    pool = LlamaCppMultiSeqRuntime(path, LlamaCppOptions(n_ctx=1024, n_threads=1), n_seq=2)
+    fresh = Fresh(rt(path, flash_attn=False), pool, chunks=(1, 3, K + 1))
+    print(f"\n{arch} slots: {check_rows(passes, fresh)}")
+    fresh.runtime.close()
+    pool.close()
