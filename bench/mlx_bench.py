@@ -9,11 +9,14 @@ export (our converter): the same f32 weights. `--model tiny` uses a tiny random-
 (a smoke run: seconds, no download). llama.cpp keeps its defaults (f16 KV cache). Every (runtime, mode) pair runs each prompt in turn, in an order
 rotated every round, so drift in machine load falls on all of them alike. Decode tok/s is the
 engine's own (prefill excluded); the table gives the median and a 95% bootstrap interval of the
-median over prompts x repeats.
+median over prompts x repeats, then the paired ratios (MLX over llama.cpp per mode, auto over plain
+per runtime: each pair ran in the same round on the same prompt, seconds apart) with their own
+bootstrap intervals, which drift in machine load disturbs far less than the separate medians.
 
 Which MLX backend ran is read from MLX (`mx.default_device()`) and printed in the title: on Linux
 it is the CPU backend, which says nothing about MLX on Metal. On an Apple Silicon Mac the same
-command compares MLX on Metal against llama.cpp with every layer offloaded (a Metal build).
+command compares MLX on Metal against llama.cpp with every layer offloaded (a Metal build);
+`pip install -e '.[export,mlx]'` first (the SmolLM2 checkpoint is built with transformers).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def run(args) -> dict:
                "mlx": Engine.load(str(ckpt), runtime="mlx", n_ctx=args.ctx)}
     prompts = [engines["mlx"].prompt_tokens(p) for p in bench_prompts(args.prompts)]
     points = [(r, m) for r in RUNTIMES for m in MODES]
-    speeds = {p: [] for p in points}
+    speeds = {p: [] for p in points}  # in run order: entry j of every point is the same (round, prompt)
     tokens = {p: {} for p in points}
     deadline = time.monotonic() + args.max_seconds if args.max_seconds else None
     for e in engines.values():  # warm-up: load pages, build auto's cost profile once
@@ -115,7 +118,16 @@ def run(args) -> dict:
         same = sum(tokens[(runtime, mode)][i] == tokens[(runtime, "ar")][i] for i in tokens[(runtime, mode)])
         rows.append({"runtime": runtime, "mode": mode, "tok_s": statistics.median(s), "ci95": [lo, hi], "n": len(s),
                      "same_tokens_as_plain": f"{same}/{len(tokens[(runtime, mode)])}"})
-    return {"model": args.model, "mlx_backend": mlx_backend(), "rows": rows}
+    # Paired ratios: each (round, prompt) ran every point within seconds of each other, so their ratio
+    # cancels most of the machine's drift; the interval is a bootstrap of the median ratio over the pairs.
+    n = min(len(v) for v in speeds.values())
+    ratios = []
+    for label, num, den in ([(f"mlx / llamacpp, {m}", ("mlx", m), ("llamacpp", m)) for m in MODES]
+                            + [(f"auto / ar, {r}", (r, "auto"), (r, "ar")) for r in RUNTIMES]):
+        values = [a / b for a, b in zip(speeds[num][:n], speeds[den][:n]) if b > 0]
+        lo, hi = bootstrap_median(values, rng)
+        ratios.append({"ratio": label, "median": statistics.median(values), "ci95": [lo, hi], "n": len(values)})
+    return {"model": args.model, "mlx_backend": mlx_backend(), "rows": rows, "ratios": ratios}
 
 
 def render(result: dict, machine: dict, command: str) -> str:
@@ -133,6 +145,10 @@ def render(result: dict, machine: dict, command: str) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['runtime']} | {r['mode']} | {r['tok_s']:.1f} | {r['ci95'][0]:.1f}-{r['ci95'][1]:.1f} | "
                      f"{r['n']} | {r['same_tokens_as_plain']} |")
+    lines += ["", "Paired speed ratios (same round and prompt; median and 95% bootstrap interval over the pairs):", "",
+              "| ratio | median | 95% CI | pairs |", "|---|---:|---|---:|"]
+    for r in result["ratios"]:
+        lines.append(f"| {r['ratio']} | {r['median']:.2f}x | {r['ci95'][0]:.2f}-{r['ci95'][1]:.2f} | {r['n']} |")
     return "\n".join(lines) + "\n"
 
 

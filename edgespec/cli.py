@@ -32,7 +32,8 @@ app = typer.Typer(
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
 TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
-               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL}]")
+               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL} with its catalog draft; "
+               "smollm2-135m is the 98 MB choice]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
@@ -70,6 +71,17 @@ def auto_draft_option(target: str | None, draft: str | None, mode: str | None = 
     return choose_draft(target, draft, mode=mode, notify=lambda message: typer.echo(message, err=True))
 
 
+def check_mtp_target(target: str | None) -> None:
+    """`--mode mtp` on a model without NextN layers: one line, before any model loads (read from the GGUF header)."""
+    from edgespec.loader import resolve
+    from edgespec.runtimes.formats import gguf_nextn_layers
+
+    path = resolve(target)
+    if gguf_nextn_layers(path) == 0:
+        raise EdgespecError(f"--mode mtp: {path.name} has no MTP (NextN) layers to draft with; use --mode auto, "
+                            "or a model that has an MTP head (`edgespec models list` shows which do)")
+
+
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
@@ -82,6 +94,8 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
 
+    if mode == "mtp" and runtime == "llamacpp":
+        check_mtp_target(target)
     if runtime != "mlx":  # draft auto picks among installed GGUF models; mlx reports it (edgespec.loader)
         draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
@@ -168,13 +182,11 @@ def generate(
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
     if verifier:
-        if config.constraint is not None:
-            raise EdgespecError("--json-schema, --grammar and --regex are not supported with --verifier yet")
-        if runtime != "llamacpp":
-            raise EdgespecError("generate --verifier drafts with llama.cpp; drop --runtime")
+        if runtime not in ("llamacpp", "mlx"):
+            raise EdgespecError("generate --verifier drafts with llama.cpp or MLX; drop --runtime or use --runtime mlx")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
                                 as_json=as_json, ctx=ctx, threads=threads, gpu_layers=gpu_layers, verbose=verbose,
-                                in_flight=in_flight)
+                                in_flight=in_flight, runtime=runtime)
         return
     engine = load_engine(target, draft, mode, ctx=ctx, threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
@@ -312,6 +324,13 @@ def _bytes_h(n: int) -> str:
     return f"{n} B"
 
 
+def _mtp_cell(entry, n_heads: int | None) -> str:
+    """Whether a model carries an MTP head: from the cached GGUF's header, else what the catalog says."""
+    if n_heads is None:
+        n_heads = getattr(entry, "mtp_heads", 0) or 0
+    return f"yes ({n_heads})" if n_heads else "-"
+
+
 @models_app.command("list")
 def models_list() -> None:
     """Show the catalog, which models are cached, and the disk they use."""
@@ -321,22 +340,26 @@ def models_list() -> None:
 
     from edgespec.models import catalog, store
 
-    on_disk = {entry.name: size for entry, _, size in store.cached()}
+    from edgespec.runtimes.formats import gguf_nextn_layers
+
+    cached = list(store.cached())
+    on_disk = {entry.name: size for entry, _, size in cached}
+    heads = {entry.name: gguf_nextn_layers(path) for entry, path, _ in cached}  # read from the GGUF header
     table = Table(
         title=f"models in {store.models_dir()}", title_justify="left",
         box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,  # fits 80 columns
     )
-    for column in ("name", "size", "quant", "draft", "cached", "disk"):
+    for column in ("name", "size", "quant", "draft", "cached", "disk", "mtp"):  # mtp last: scripts read by position
         table.add_column(column, no_wrap=True)
     for e in catalog.entries():
         size = on_disk.get(e.name)
         table.add_row(
             e.name, _bytes_h(e.size_bytes), e.quant,
-            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-",
+            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-", _mtp_cell(e, heads.get(e.name)),
         )
     console = Console()
     console.print(table)
-    console.print(f"default model: {catalog.DEFAULT_MODEL}")
+    console.print(f"default model: {catalog.DEFAULT_MODEL} with draft {catalog.get(catalog.DEFAULT_MODEL).draft}")
     console.print(f"total disk use: {_bytes_h(sum(on_disk.values()))}")
     others = [m for m in store.installed() if m["source"] != "catalog"]
     if others:  # what the HF cache, Ollama and LM Studio hold: each name runs in place
@@ -398,29 +421,45 @@ def doctor(
         render_doctor(doc)
 
 
-# --- edgespec bench: the benchmark behind the README's speed claims, on this machine -----------
+# --- edgespec bench: the race behind the README's speed claims, on this machine ---------------
 
 
 @app.command()
 def bench(
-    models: str = typer.Option("all", help="qwen (Qwen2.5-Coder 1.5B + 0.5B draft) | smollm2 | all"),
-    repeats: int = typer.Option(None, help="timed runs per system and prompt [default: 3; --quick: 1]"),
-    max_tokens: int = typer.Option(None, "--max-tokens", "-n", help="tokens per generation [default: 128; --quick: 32]"),
-    out: str = typer.Option("bench/out", help="folder for results.json, results.md and tok_s_vs_k.png"),
-    quick: bool = typer.Option(False, "--quick", help="smoke test: 1 repeat, 2 prompts per category, 32 tokens"),
+    models: str = typer.Option("smollm2,qwen", help="comma list: smollm2 (SmolLM2-135M, its Q4_0 copy as draft), "
+                               "qwen (Qwen2.5-Coder 1.5B + 0.5B draft)"),
+    repeats: int = typer.Option(5, help="runs of every system on every prompt, the systems' order reversed "
+                                "every other repeat"),
+    max_tokens: int = typer.Option(96, "--max-tokens", "-n", help="tokens per generation"),
+    threads: str = typer.Option("1", help="comma list of CPU thread counts"),
+    classes: str = typer.Option("", help="comma list of chat, code, grounded, multi-turn, structured [all]"),
+    per_category: int = typer.Option(None, "--per-category", help="shipped prompts per class [all]"),
+    no_cpp: bool = typer.Option(False, "--no-cpp", help="leave out llama.cpp's own C++ tools"),
+    out: str = typer.Option("bench/out", help="folder for results.json, results.md and the plots"),
+    quick: bool = typer.Option(False, "--quick", help="smoke test: SmolLM2, 2 repeats, 2 prompts per class, "
+                               "16 tokens, no C++ tools"),
 ) -> None:
-    """Measure edgespec (plain, draft model, prompt lookup) against llama-cpp-python on this machine."""
-    from edgespec.bench.run import main as bench_main
+    """The race: plain decoding, every fixed setting, auto and llama.cpp's tools, interleaved prompt by
+    prompt with the order alternated; 90 % intervals per class, a priced (noise-free) speedup, and the
+    oracle: auto's gain as a share of the best any policy could do (edgespec.bench.race)."""
+    from edgespec.bench.race import main as race_main
 
-    if models not in ("qwen", "smollm2", "all"):
-        raise EdgespecError(f"unknown --models {models!r}; use qwen, smollm2 or all")
-    if (repeats is not None and repeats < 1) or (max_tokens is not None and max_tokens < 2):
+    if repeats < 1 or max_tokens < 2:
         raise EdgespecError("--repeats must be >= 1 and --max-tokens >= 2")
-    argv = ["--models", models, "--out", out]
-    argv += ["--repeats", str(repeats)] if repeats is not None else []
-    argv += ["--max-tokens", str(max_tokens)] if max_tokens is not None else []
-    argv += ["--quick"] if quick else []
-    code = bench_main(argv)
+    models = "smollm2,qwen" if models == "all" else models
+    unknown = set(models.split(",")) - {"smollm2", "qwen"}
+    if unknown:
+        raise EdgespecError(f"unknown --models {', '.join(sorted(unknown))}; use smollm2, qwen or both (comma list)")
+    if quick:
+        argv = ["--models", "smollm2", "--repeats", "2", "--max-tokens", "16", "--limit", "2", "--no-cpp",
+                "--threads", threads, "--out", out]
+    else:
+        argv = ["--models", models, "--repeats", str(repeats), "--max-tokens", str(max_tokens),
+                "--threads", threads, "--out", out]
+        argv += ["--per-category", str(per_category)] if per_category else []
+        argv += ["--no-cpp"] if no_cpp else []
+    argv += ["--classes", classes] if classes else []
+    code = race_main(argv)
     if code:
         raise typer.Exit(code)
 
@@ -683,31 +722,35 @@ def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, 
 
 def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, draft: str | None, prompt, config, *,
                             as_json: bool, ctx: int, threads: int | None, gpu_layers: int, verbose: bool,
-                            in_flight: int = 3) -> None:
+                            in_flight: int = 3, runtime: str = "llamacpp") -> None:
     """`generate --verifier`: the local model drafts, the verifier verifies; offline, the local model goes on."""
 
     from edgespec.cloud.client import CloudEdgeClient, CloudOptions
 
     options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file, max_inflight=in_flight)
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
-    with CloudEdgeClient.load(draft or DEFAULT_MODEL, options, n_ctx=ctx, n_threads=threads,
-                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify) as client:
+    from edgespec.loader import choose_draft
+
+    # Nothing named: the edge drafts with the default model's draft (the verifier's default is its target).
+    with CloudEdgeClient.load(draft or choose_draft(None, None), options, n_ctx=ctx, n_threads=threads,
+                              n_gpu_layers=gpu_layers, verbose=verbose, notify=notify, runtime=runtime) as client:
         _print_stream(client.stream(prompt, config), as_json)
 
 
-# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML bundle out ------------------
+# --- edgespec export: a Hugging Face pair in, GGUF / ONNX / Core ML / MLX bundle out ------------------
 
 
 @app.command()
 def export(
     target: str = typer.Argument(..., help="target: a local Hugging Face checkpoint directory, or hf:OWNER/REPO[@REV] "
-                                 "(a safetensors repo, fetched into the HF cache and sha256-checked)"),
+                                 "(a safetensors repo, fetched into the HF cache and sha256-checked), or a .gguf "
+                                 "file with --format mlx (read back into an MLX repo directory at --out)"),
     draft: str = typer.Option(None, "--draft", "-d", help="draft checkpoint with the target's tokenizer (a directory or hf:...)"),
     out: str = typer.Option(..., "--out", "-o", help="bundle directory to create (appears complete or not at all)"),
-    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml"),
+    formats: str = typer.Option("gguf", "--format", "-f", help="comma list of gguf, onnx, coreml, mlx"),
     quant: str = typer.Option(None, "--quant", "-q", help="comma list: GGUF types (q4_k_m, q8_0, f16, ...), "
-                              "int8/int4 (ONNX and Core ML), or FORMAT:TYPE (onnx:int8, coreml:int4) "
-                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4]"),
+                              "int8/int4 (ONNX, Core ML, MLX), or FORMAT:TYPE (onnx:int8, coreml:int4, mlx:int8) "
+                              "[default: q4_k_m, onnx fp32+int8+int4, coreml int4, mlx int4]"),
     self_draft: str = typer.Option(None, "--self-draft", help="no draft? derive one from the target: quant[:TYPE] "
                                    "(the target at fewer bits) or layers[:N] (its first N layers)"),
     onnx_layers: bool = typer.Option(False, "--onnx-layers", help="ONNX: also the target as layer graphs, so "
@@ -721,12 +764,24 @@ def export(
                                                   "on the check texts"),
     threads: int = typer.Option(None, help="CPU threads for quantization [default: physical cores]"),
 ) -> None:
-    """Export a target (and draft) to GGUF, ONNX and Core ML in one bundle with a manifest (edgespec.json)."""
+    """Export a target (and draft) to GGUF, ONNX, Core ML and MLX in one bundle with a manifest (edgespec.json)."""
     from edgespec.exporters.bundle import ExportOptions, export_bundle, parse_formats, parse_quants, read_manifest
     from edgespec.exporters.progress import RichProgress
 
     if draft_max < 1 or coreml_context < 16:
         raise EdgespecError("--draft-max must be >= 1 and --coreml-context >= 16")
+    if target.lower().endswith(".gguf") and os.path.isfile(os.path.expanduser(target)):  # a GGUF read back into MLX
+        from edgespec.exporters.gguf_to_mlx import gguf_to_mlx, mode_for_quant, read_gguf
+
+        if parse_formats(formats) != ("mlx",) or draft:
+            raise EdgespecError("a GGUF exports to MLX only (--format mlx), one file at a time (no --draft)")
+        if os.path.exists(os.path.expanduser(out)):
+            raise EdgespecError(f"{out} already exists; choose another --out")
+        plan = read_gguf(target, mode_for_quant(quant))  # refusals before the progress display
+        with RichProgress() as progress:
+            path = gguf_to_mlx(plan, out, progress=progress)
+        typer.echo(str(path))
+        return
     if onnx_layers and "onnx" not in parse_formats(formats):
         raise EdgespecError("--onnx-layers needs --format onnx")
     options = ExportOptions(formats=parse_formats(formats), **parse_quants(quant), coreml_context=coreml_context,

@@ -2,8 +2,9 @@
 
 A name is a catalog name, a file path, `hf:...`, `ollama:...`, `lmstudio:...` or an exported bundle
 directory (models/store.py's `SOURCES` say which file each means), or None for the default model
-(`catalog.DEFAULT_MODEL`); a draft may also be `auto` (an installed model whose vocabulary matches
-the target's). The runtime decides which of a bundle's files load:
+(`catalog.DEFAULT_MODEL`, which comes with its catalog draft unless a draft is named); a draft may
+also be `auto` (an installed model whose vocabulary matches the target's). The runtime decides which
+of a bundle's files load:
 
 * llamacpp: GGUF files through llama.cpp; one sequence per runtime (a target with room for token-tree
   branches when it has a draft), or `n_seq` sequences sharing one context (`serve --parallel`, the
@@ -11,8 +12,9 @@ the target's). The runtime decides which of a bundle's files load:
 * onnx: a bundle's ONNX target and draft (or ONNX export directories), optionally the target's layer
   graphs with part of the KV in a file (`kv_resident`);
 * coreml: a bundle's Core ML packages (macOS 15+);
-* mlx: a Hugging Face checkpoint directory or an MLX repo (`hf:OWNER/REPO` fetched whole into the
-  Hugging Face cache), run by mlx-lm (Metal on a Mac, the CPU backend elsewhere).
+* mlx: a Hugging Face checkpoint directory, an MLX repo (`hf:OWNER/REPO` fetched whole into the
+  Hugging Face cache) or a bundle's MLX target and draft (export --format mlx), run by mlx-lm
+  (Metal on a Mac, the CPU backend elsewhere).
 
 Everything that loads models (Engine.load, the CLI, the server, the slots, the memory planner, the
 cloud client and verifier) calls this module; runtimes themselves only ever see paths.
@@ -92,7 +94,11 @@ def model_id(target: Name | None) -> str:
 def choose_draft(target: Name | None, draft: Name | None, *, mode: str | None = None,
                  notify: Callable[[str], None] | None = None) -> Name | None:
     """The draft to load: `auto` becomes the installed model whose vocabulary matches the target's
-    (said through `notify`); with `mode` "draft" and no draft, a catalog target's catalog pair."""
+    (said through `notify`); with no target and no draft, the default model's catalog draft (the
+    default is a pair, whatever the mode, as a bundle brings its own draft); with `mode` "draft" and
+    no draft, a catalog target's catalog pair."""
+    if target is None and draft is None:
+        return catalog.get(DEFAULT_MODEL).draft
     if draft == "auto":
         from edgespec.models.pairs import auto_draft
 
@@ -137,14 +143,14 @@ def resolve_onnx_layers(name: Name) -> Path:
 
 def load_pair(target: Name | None = None, draft: Name | None = None, options: LoadOptions = LoadOptions()):
     """(target runtime, draft runtime or None) for `Engine(target, draft)`. Without a draft, a bundle's
-    own draft in the runtime's format; `auto` as in `choose_draft`."""
+    own draft in the runtime's format, or the default model's pair; `auto` as in `choose_draft`."""
     if options.runtime == "onnx":
         return _onnx_pair(target, draft, options)
     if options.runtime == "coreml":
         return _coreml_pair(target)
     if options.runtime == "mlx":
         return _mlx_pair(target, draft, options)
-    draft = bundles.gguf_draft(target) if draft is None else choose_draft(target, draft)
+    draft = bundles.gguf_draft(target) if draft is None and target is not None else choose_draft(target, draft)
     llama = options.llamacpp()
     # With trees on, the target gets room for their branches (KV cells are shared).
     target_options = replace(llama, n_seq_max=TREE_BRANCHES) if options.trees and draft else llama
@@ -153,9 +159,11 @@ def load_pair(target: Name | None = None, draft: Name | None = None, options: Lo
 
 
 def load_slots(target: Name | None, draft: Name | None, options: LoadOptions, *, n_seq: int):
-    """(target, draft or None) as llama.cpp runtimes holding `n_seq` sequences in one context each."""
+    """(target, draft or None) as llama.cpp runtimes holding `n_seq` sequences in one context each (no
+    target and no draft: the default model with its draft, as in `choose_draft`)."""
     if options.runtime != "llamacpp":
         raise EdgespecError("several sequences per context run on llama.cpp; drop --runtime")
+    draft = choose_draft(target, draft)
     llama = options.llamacpp()
     return open_llamacpp_pair(resolve(target), llama, resolve(draft) if draft else None, llama, n_seq=n_seq)
 
@@ -167,11 +175,15 @@ def load_runtime(name: Name | None, options: LoadOptions = LoadOptions(), *, n_s
     return open_llamacpp(resolve(name), options.llamacpp(), n_seq=n_seq)
 
 
-def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
-    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's)."""
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime
+def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None, mtp: bool = False):
+    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's).
+    `mtp`: a target whose GGUF carries NextN layers opens with its MTP head (the `mtp` drafter)."""
+    from edgespec.runtimes.formats import gguf_nextn_layers
+    from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppRuntime
 
     identity = store.model_identity(path)
+    if n_seq is None and mtp and gguf_nextn_layers(path) > 0:
+        return LlamaCppMtpRuntime(path, llama_options, identity=identity)
     if n_seq is None:
         return LlamaCppRuntime(path, llama_options, identity=identity)
     return LlamaCppMultiSeqRuntime(path, llama_options, n_seq=n_seq, identity=identity)
@@ -180,7 +192,7 @@ def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
 def open_llamacpp_pair(target_path: Path, target_options, draft_path: Path | None, draft_options, *,
                        n_seq: int | None = None):
     """(target, draft or None) on resolved files; the target is closed again if the draft fails."""
-    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq)
+    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq, mtp=True)
     try:
         draft_rt = open_llamacpp(draft_path, draft_options, n_seq=n_seq) if draft_path is not None else None
     except BaseException:
@@ -240,13 +252,15 @@ def _coreml_pair(target: Name | None):
 
 
 def resolve_mlx(name: Name) -> Path:
-    """What the MLX runtime loads: a checkpoint or MLX repo directory as is, or `hf:OWNER/REPO[@REV]`
-    fetched whole (config, safetensors, tokenizer) into the Hugging Face cache."""
+    """What the MLX runtime loads: a checkpoint or MLX repo directory as is, a bundle's MLX target, or
+    `hf:OWNER/REPO[@REV]` fetched whole (config, safetensors, tokenizer) into the Hugging Face cache."""
     from edgespec.models import hub
 
     text = str(name)
     if hub.is_hub_name(text):
         return hub.snapshot(text)
+    if bundles.is_bundle(text):
+        return bundles.mlx(text, "target")
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -268,6 +282,8 @@ def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
     if draft == "auto":  # auto_draft compares installed GGUF vocabularies
         raise EdgespecError("--draft auto picks among installed GGUF models; with --runtime mlx give the draft's "
                             "checkpoint directory or hf:OWNER/REPO")
+    if draft is None:
+        draft = bundles.mlx_draft(target)
     mlx = MlxOptions(n_ctx=options.n_ctx, n_batch=options.n_batch)
     target_rt = MlxRuntime(resolve_mlx(target), mlx)
     try:

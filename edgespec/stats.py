@@ -41,6 +41,8 @@ class GenerationStats:
     drafted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     chosen: dict[str, int] = field(default_factory=dict)  # "drafter:k" -> rounds
+    passes_by_rows: dict[int, int] = field(default_factory=dict)  # rows a pass fed (forced + drafted + 1) ->
+    #                                   passes: with a cost curve it prices the run free of timing noise
 
     def record_round(self, drafter: str, n_drafted: int, n_accepted: int, *, forced: int = 0,
                      forced_accepted: int = 0) -> None:
@@ -52,6 +54,8 @@ class GenerationStats:
         self.accepted += n_accepted
         key = f"{drafter}:{n_drafted}"
         self.chosen[key] = self.chosen.get(key, 0) + 1
+        rows = forced + n_drafted + 1
+        self.passes_by_rows[rows] = self.passes_by_rows.get(rows, 0) + 1
         if n_drafted > len(self.drafted_at):
             grow = n_drafted - len(self.drafted_at)
             self.drafted_at = np.concatenate([self.drafted_at, np.zeros(grow, dtype=np.int64)])
@@ -100,6 +104,7 @@ class GenerationStats:
             "other_s": round(self.other_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "chosen": dict(self.chosen),
+            "passes_by_rows": {str(n): c for n, c in sorted(self.passes_by_rows.items())},
             "seed": self.seed,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "peak_rss_bytes": self.peak_rss_bytes,

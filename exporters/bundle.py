@@ -9,6 +9,8 @@
       onnx/target-layers/           the target as layer graphs (ExportOptions.onnx_layers; runtimes/onnx_layered.py)
       coreml/target.mlpackage       Core ML (prefill / decode / verify functions, KV cache as state)
       coreml/draft.mlpackage
+      mlx/target.<quant>/           MLX (mlx_lm.convert: int4, int8 or unquantized fp32/fp16/bf16), an MLX repo each
+      mlx/draft.<quant>/
       tokenizer/                    the Hugging Face tokenizer files (for the ONNX and Core ML runtimes)
 
 Everything is written into a temporary directory beside BUNDLE and moved into place with one rename
@@ -20,7 +22,8 @@ Manifest `edgespec.json` (schema 1): formats and their artifacts (file, quant, b
 `files` (every file with bytes and sha256), tokenizer fingerprint and llama.cpp parity, the vocabulary
 check, context length, KV geometry of both models, measured quality (GGUF top-1 agreement with the
 float file, ONNX logits against transformers, acceptance of the pair), exporter and tool versions,
-and `runtimes.llama.cpp` {target, draft}: the files `edgespec generate --target BUNDLE` runs.
+and `runtimes.llama.cpp` {target, draft}: the files `edgespec generate --target BUNDLE` runs
+(`runtimes.mlx` {target, draft}: the directories `--runtime mlx` runs).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from edgespec.vocab import CHECK_FROM_TOKEN_ID, MAX_VOCAB_SIZE_DIFFERENCE
 
 MANIFEST = BUNDLE_MANIFEST
 SCHEMA = 1
-FORMATS = ("gguf", "onnx", "coreml")
+FORMATS = ("gguf", "onnx", "coreml", "mlx")
 DEFAULT_GGUF_QUANTS = ("q4_k_m",)
 DEFAULT_ONNX_QUANTS = ("fp32", "int8", "int4")
 DEFAULT_COREML_QUANT = "int4"
@@ -63,6 +66,7 @@ class ExportOptions:
     gguf_quants: tuple[str, ...] = DEFAULT_GGUF_QUANTS
     onnx_quants: tuple[str, ...] = DEFAULT_ONNX_QUANTS
     coreml_quant: str = DEFAULT_COREML_QUANT
+    mlx_quants: tuple[str, ...] = ("int4",)  # exporters/mlx_export.DEFAULT_MLX_QUANTS
     coreml_context: int = 2048       # Core ML KV state rows (memory: see kv_geometry)
     coreml_prefill: int = 256        # longest prefill chunk of the Core ML prefill function
     draft_max: int = 4               # Core ML verify function takes draft_max + 1 tokens
@@ -84,34 +88,38 @@ def parse_formats(text: str) -> tuple[str, ...]:
 
 
 def parse_quants(text: str | None) -> dict:
-    """`--quant` -> {gguf_quants, onnx_quants, coreml_quant}. Entries are comma separated: a GGUF type
-    (q4_k_m, q8_0, f16, ...), `int8` / `int4` (ONNX and Core ML), `fp32` (ONNX), `fp16` (Core ML), or
-    `FORMAT:TYPE` to aim at one format (gguf:q8_0, onnx:int8, coreml:int4)."""
+    """`--quant` -> {gguf_quants, onnx_quants, coreml_quant, mlx_quants}. Entries are comma separated: a
+    GGUF type (q4_k_m, q8_0, f16, ...), `int8` / `int4` (ONNX, Core ML and MLX), `fp32` (ONNX, MLX),
+    `fp16` (Core ML, MLX), `bf16` (GGUF, MLX), or `FORMAT:TYPE` to aim at one format (gguf:q8_0,
+    onnx:int8, coreml:int4, mlx:int8)."""
     from edgespec.exporters.coreml_export import COREML_QUANTS
     from edgespec.exporters.gguf_export import gguf_quant_types
+    from edgespec.exporters.mlx_export import DEFAULT_MLX_QUANTS, MLX_QUANTS
     from edgespec.exporters.onnx_export import ONNX_QUANTS
 
-    gguf, onnx, coreml = [], [], []
+    gguf, onnx, coreml, mlx = [], [], [], []
     for raw in (text or "").split(","):
         item = raw.strip().lower()
         if not item:
             continue
         fmt, _, q = item.rpartition(":")
         if fmt and fmt not in FORMATS:
-            raise EdgespecError(f"unknown format {fmt!r} in --quant {raw.strip()!r}; use gguf:, onnx: or coreml:")
-        known_here = {"gguf": gguf_quant_types(), "onnx": ONNX_QUANTS, "coreml": COREML_QUANTS}
+            raise EdgespecError(f"unknown format {fmt!r} in --quant {raw.strip()!r}; use gguf:, onnx:, coreml: or mlx:")
+        known_here = {"gguf": gguf_quant_types(), "onnx": ONNX_QUANTS, "coreml": COREML_QUANTS, "mlx": MLX_QUANTS}
         targets = [fmt] if fmt else [f for f in FORMATS if q in known_here[f]]
         if not targets or any(q not in known_here[f] for f in targets):
             where = f" for {fmt}" if fmt else ""
             raise EdgespecError(f"unknown quantization {q!r}{where}; GGUF: {', '.join(gguf_quant_types())}; "
-                                f"ONNX: {', '.join(ONNX_QUANTS)}; Core ML: {', '.join(COREML_QUANTS)}")
+                                f"ONNX: {', '.join(ONNX_QUANTS)}; Core ML: {', '.join(COREML_QUANTS)}; "
+                                f"MLX: {', '.join(MLX_QUANTS)}")
         for f in targets:
-            {"gguf": gguf, "onnx": onnx, "coreml": coreml}[f].append(q)
+            {"gguf": gguf, "onnx": onnx, "coreml": coreml, "mlx": mlx}[f].append(q)
     if len(set(coreml)) > 1:
         raise EdgespecError(f"Core ML takes one weight type per package, got {', '.join(coreml)}")
     return {"gguf_quants": tuple(dict.fromkeys(gguf)) or DEFAULT_GGUF_QUANTS,
             "onnx_quants": tuple(dict.fromkeys(onnx)) or DEFAULT_ONNX_QUANTS,
-            "coreml_quant": coreml[0] if coreml else DEFAULT_COREML_QUANT}
+            "coreml_quant": coreml[0] if coreml else DEFAULT_COREML_QUANT,
+            "mlx_quants": tuple(dict.fromkeys(mlx)) or DEFAULT_MLX_QUANTS}
 
 
 # --- the export -----------------------------------------------------------------------------------
@@ -129,6 +137,12 @@ def export_bundle(target: str | os.PathLike, out: str | os.PathLike, draft: str 
     from edgespec.exporters.gguf_export import check_quant_types
 
     check_quant_types(options.gguf_quants)
+    if "mlx" in options.formats:  # before any other format's work: one line when MLX is missing
+        from edgespec.exporters.mlx_export import check_mlx_quants
+        from edgespec.runtimes.mlx import need_mlx
+
+        check_mlx_quants(options.mlx_quants)
+        need_mlx()
     progress.begin("checking the checkpoints")
     gguf_only = set(options.formats) == {"gguf"}
     target_ckpt = load_checkpoint(target, gguf_only=gguf_only)
@@ -254,6 +268,8 @@ def _export_into(work: Path, target: Checkpoint, draft: Checkpoint | None, tok: 
         _export_onnx_pair(work, target, draft, self_draft, options, progress, manifest)
     if "coreml" in options.formats:
         _export_coreml_pair(work, target, draft, self_draft, options, progress, manifest)
+    if "mlx" in options.formats:
+        _export_mlx_pair(work, target, draft, self_draft, options, progress, manifest)
 
     from edgespec.exporters.onnx_export import copy_tokenizer_files
 
@@ -406,6 +422,32 @@ def _export_coreml_pair(work, target, draft, self_draft, options, progress, mani
     manifest["formats"]["coreml"] = entry
 
 
+def _export_mlx_pair(work, target, draft, self_draft, options, progress, manifest) -> None:
+    from edgespec.exporters.mlx_export import export_mlx
+
+    mdir = work / "mlx"
+    quants = list(options.mlx_quants)
+    t = export_mlx(target, mdir, quants, stem="target", measure=options.measure, progress=progress)
+    entry = {"target": [_artifact(work, p, q) for q, p in t.files.items()], "draft": [], "note": None}
+    quality = {"target": t.agreement, "reference": "the checkpoint's own float weights on MLX"}
+    draft_files: dict = {}
+    if draft is not None:
+        d = export_mlx(draft, mdir, quants, stem="draft", measure=options.measure, progress=progress)
+        draft_files, quality["draft"] = d.files, d.agreement
+    elif self_draft is not None and self_draft.method == "quant":  # the target at MLX's fewest bits
+        if quants[0] == "int4":
+            entry["note"] = "no MLX self-draft: int4 is the fewest bits exported, and the target has it"
+        else:
+            d = export_mlx(target, mdir, ["int4"], stem="draft", measure=options.measure, progress=progress)
+            draft_files, quality["draft"] = d.files, d.agreement
+    entry["draft"] = [_artifact(work, p, q) for q, p in draft_files.items()]
+    manifest["formats"]["mlx"] = entry
+    manifest["quality"]["mlx"] = quality
+    d_default = next(iter(draft_files.values()), None)
+    manifest["runtimes"]["mlx"] = {"target": _rel(work, t.files[quants[0]]),
+                                   "draft": _rel(work, d_default) if d_default is not None else None}
+
+
 # --- files, hashes, moving --------------------------------------------------------------------------
 
 def _artifact(work: Path, path: Path, quant: str) -> dict:
@@ -536,6 +578,8 @@ def estimate_bytes(target: Checkpoint, draft: Checkpoint | None, self_draft, opt
                 total += n_params * 4
         if "coreml" in options.formats:
             total += n_params * 2 * _BITS[options.coreml_quant] / 8  # parts, then the merged package
+        if "mlx" in options.formats:
+            total += n_params * sum(_BITS[q] for q in options.mlx_quants) / 8
         return int(total)
 
     need = model_bytes(target.n_params())
@@ -569,6 +613,8 @@ def _tool_versions(formats: Sequence[str]) -> dict:
         names += ["optimum-onnx", "onnxruntime", "onnx", "transformers", "torch"]
     if "coreml" in formats:
         names += ["coremltools", "torch"]
+    if "mlx" in formats:
+        names += ["mlx", "mlx-lm"]
     out = {}
     for n in dict.fromkeys(names):
         try:

@@ -2,7 +2,8 @@
 
 A bundle is a directory with a manifest (runtimes/formats.BUNDLE_MANIFEST, written by
 edgespec.exporters.bundle) naming its files per format: the GGUF target and draft llama.cpp runs,
-the ONNX files by quantization, the ONNX layer graphs, the Core ML packages and their tokenizer.
+the ONNX files by quantization, the ONNX layer graphs, the Core ML packages and their tokenizer,
+the MLX repo directories.
 Reading the manifest is here; choosing the runtime is edgespec.loader's.
 """
 
@@ -111,6 +112,29 @@ def coreml(bundle_dir: str | os.PathLike) -> tuple[Path, Path | None, Path]:
             raise ModelFileError(f"bundle {bundle} lists {p.relative_to(bundle)} as its Core ML {what} but it is "
                                  "missing; the bundle is incomplete, export it again")
     return target, draft, tokenizer
+
+
+def mlx(bundle: str | os.PathLike, role: str) -> Path | None:
+    """The MLX repo directory a bundle names for `--runtime mlx` as its target or draft (None: no draft)."""
+    bundle = Path(bundle).expanduser()
+    try:
+        rel = (_manifest(bundle).get("runtimes", {}).get("mlx") or {}).get(role)
+    except AttributeError as exc:
+        raise ModelFileError(f"{bundle / BUNDLE_MANIFEST} is corrupt ({exc}); export the bundle again") from None
+    if rel is None:
+        if role == "target":
+            raise ModelFileError(f"bundle {bundle} has no MLX target; export it with --format mlx")
+        return None
+    path = bundle / rel
+    if not (path / "config.json").is_file():
+        raise ModelFileError(f"bundle {bundle} lists {rel} as its MLX {role} but it is missing; "
+                             "the bundle is incomplete, export it again")
+    return path
+
+
+def mlx_draft(name_or_path: str | os.PathLike | None) -> Path | None:
+    """The MLX draft directory a bundle names, or None (not a bundle, or no MLX draft)."""
+    return mlx(name_or_path, "draft") if is_bundle(name_or_path) else None
 
 
 class BundleSource(Source):

@@ -16,6 +16,13 @@ projection (Llama, Qwen2, Qwen3, and what mlx-lm maps onto them); others compute
 the tail. Inputs longer than `n_batch` run in passes of `n_batch` tokens. MLX is lazy: each pass
 evaluates the asked rows and the caches' new state together, so nothing else is computed.
 
+Several sequences: not declared. mlx-lm's BatchKVCache holds a batch left-padded behind one shared
+write index: `trim(n)` drops the last n positions of every row at once, and a pass appends the same
+number of tokens to every row. Speculation accepts a different count per sequence each round, so
+rolling one sequence back would mean splitting and re-merging the batch (`extract` / `merge`, copies
+of the whole cache) every round. So one sequence per runtime; `serve --parallel` and the cloud
+verifier's sessions run on llama.cpp.
+
 Saved state: mlx-lm's prompt-cache format (a safetensors file of the caches' state), as bytes.
 
 Tokenizer and vocabulary: `edgespec.runtimes.hf_vocab.HFVocab` (llama.cpp's answers for every id),

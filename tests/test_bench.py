@@ -1,11 +1,25 @@
-"""The benchmark harness runs end to end and reports a number for every system (no timing is asserted)."""
+"""The benchmark harnesses run end to end and report a number for every system (no timing is asserted);
+the race's statistics (bench/stats_ci.py) and its priced time and oracle (bench/oracle.py) on hand-made
+cases whose answers are known."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import statistics
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+
+from edgespec.bench import oracle as orc
+from edgespec.bench.stats_ci import geomean, geomean_interval, verdict
+from edgespec.machine.profile import CostProfile
+from edgespec.stats import GenerationStats
+
+MS = 1e-3
+DRAFT_NUMERICS = 0.02  # the oracle may miss auto's path by a draft-model near-tie (see the race test)
 
 
 @pytest.mark.slow
@@ -49,6 +63,63 @@ def test_bench_quick_smollm2(tmp_path, smollm2_path):
         assert (tmp_path / "tok_s_vs_k.png").stat().st_size > 0
 
 
+def test_structured_bench_validity_accounting():
+    """bench/structured_bench.py's check of one answer: schema-valid JSON, tool calls (OpenAI's fields, or
+    text in edgespec's object or the model's <tool_call> format) naming a request's tool with valid
+    arguments; a truncated answer is never valid."""
+    from edgespec.bench.structured_bench import check_output, load_requests
+
+    extraction, tool, conversation = load_requests(limit=1)
+    assert (extraction.kind, tool.kind, conversation.kind) == ("extraction", "tool_choice", "multi_step")
+    assert 3 <= len(tool.tools) <= 8 and any(m.get("tool_calls") for m in conversation.messages)
+    assert "response_format" in extraction.body("m", True) and "response_format" not in extraction.body("m", False)
+    assert tool.body("m", True)["tool_choice"] == "required" and "tools" not in tool.body("m", False)
+
+    def call(name, **arguments):
+        return {"content": None, "tool_calls": [{"function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+    good = call("get_weather", city="Reykjavik", unit="celsius")
+    assert check_output(tool, good, "tool_calls") == {"valid": True, "truncated": False, "right_tool": True, "why": ""}
+    assert not check_output(tool, good, "length")["valid"]  # cut at max_tokens: never valid
+    assert "kelvin" in check_output(tool, call("get_weather", city="X", unit="kelvin"), "tool_calls")["why"]
+    assert "unknown tool" in check_output(tool, call("book_hotel", city="X"), "tool_calls")["why"]
+    native = {"content": '<tool_call>{"name": "get_stock_price", "arguments": {"ticker": "ASML"}}</tool_call>'}
+    assert check_output(tool, native, "stop") == {"valid": True, "truncated": False, "right_tool": False, "why": ""}
+    assert check_output(tool, {"content": "It is sunny."}, "stop")["why"] == "no tool call"
+    answer = {key: "x" for key in extraction.schema["properties"]}
+    assert "schema" in check_output(extraction, {"content": json.dumps(answer)}, "stop")["why"]
+    assert check_output(extraction, {"content": '{"invoice_number": "INV'}, "length")["truncated"]
+
+
+def test_structured_bench_smoke_counts_every_output(tmp_path, smollm2_path):
+    """The structured bench's smoke mode on SmolLM2 (edgespec's three systems, one request per workload,
+    48 tokens): every output is counted once, as valid, invalid or truncated, and every constrained
+    output that ended by itself is valid against its schema or tools."""
+    from edgespec.bench import structured_bench
+
+    out = tmp_path / "structured.md"
+    assert structured_bench.main(["--smoke", "--no-llama-server", "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    runs = doc["runs"]
+    systems = doc["summary"]["smollm2"]["systems"]
+    assert set(systems) == {"edgespec ar", "edgespec auto", "edgespec ar unconstrained"}
+    assert {r["kind"] for r in runs} == {"extraction", "tool_choice", "multi_step"}
+    assert all(r["error"] is None and r["tok_s"] and r["tokens"] > 0 for r in runs), runs
+    for name, row in systems.items():
+        mine = [r for r in runs if r["system"] == name]
+        assert row["runs"] == len(mine) == 3
+        assert row["valid"] == sum(r["valid"] for r in mine) and row["truncated"] == sum(r["truncated"] for r in mine)
+        assert row["valid_share"] == pytest.approx(row["valid"] / row["runs"])
+        assert not any(r["valid"] and r["truncated"] for r in mine)
+    constrained = [r for r in runs if r["system"] != "edgespec ar unconstrained"]
+    assert all(r["valid"] for r in constrained if not r["truncated"]), constrained
+    assert all(r["forced_accepted"] > 0 for r in constrained)  # key names and punctuation the grammar forces
+    assert systems["edgespec ar"]["forced_share"] > 0 and systems["edgespec ar unconstrained"]["forced_share"] == 0
+    claims = {g["claim"] for g in doc["goals"]}
+    assert any(c.startswith("mask cost") for c in claims) and any(c.startswith("100 %") for c in claims)
+    assert "## Goals (issue 22, item 5)" in out.read_text()
+
+
 @pytest.mark.slow
 def test_race_runs_every_workload_group(tmp_path, smollm2_path):
     """The race harness (bench/race.py) on two items per workload group: every edgespec system reports
@@ -56,9 +127,9 @@ def test_race_runs_every_workload_group(tmp_path, smollm2_path):
     from edgespec.bench import race
 
     code = race.main(["--models", "smollm2", "--limit", "2", "--max-tokens", "8", "--ks", "1", "--no-cpp",
-                      "--out", str(tmp_path)])
+                      "--repeats", "1", "--out", str(tmp_path)])
     assert code == 0
-    doc = json.loads((tmp_path / "race.json").read_text())
+    doc = json.loads((tmp_path / "results.json").read_text())
     [summary] = doc["summary"].values()
     assert set(summary["systems"]) == {"edgespec ar", "edgespec lookup k=1", "edgespec draft k=1",
                                        "edgespec suffix", "edgespec auto"}
@@ -67,5 +138,184 @@ def test_race_runs_every_workload_group(tmp_path, smollm2_path):
     assert {"multi-code-review-t1", "multi-code-review-t2", "struct-person-0", "struct-person-1"} <= items
     assert all(r["tok_s"] for r in doc["runs"] if r["generated"] > 1)
     assert any(g["claim"].startswith("multi-turn") for g in doc["goals"])
-    assert "## Goals (issue 17)" in (tmp_path / "RACE_RESULTS.md").read_text()
+    assert "## Goals (issues 17 and 23)" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "race_per_prompt.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_is_the_race_with_intervals_priced_speed_and_the_oracle(tmp_path, smollm2_path):
+    """`edgespec bench`'s harness on one class, two prompts, two repeats: the systems' order reversed in
+    the second repeat, every interval around its point, a claim for each class that its interval allows,
+    a priced speed for every edgespec run, and the oracle at least as fast as auto by the same prices."""
+    from edgespec.bench import race
+
+    code = race.main(["--models", "smollm2", "--classes", "code", "--per-category", "2", "--repeats", "2",
+                      "--max-tokens", "12", "--ks", "1", "--systems", "edgespec lookup k=1", "--no-cpp",
+                      "--out", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    runs = doc["runs"]
+    items = list(dict.fromkeys(r["item"] for r in runs))
+    assert len(items) == 2 and {r["category"] for r in runs} == {"code"}
+    for item in items:
+        order = {rep: [r["system"] for r in sorted((r for r in runs if r["item"] == item and r["repeat"] == rep),
+                                                    key=lambda r: r["order"])] for rep in (0, 1)}
+        assert order[0] == list(reversed(order[1])) and len(set(order[0])) == 3, order
+    [summary] = doc["summary"].values()
+    for group in [*summary["classes"].values(), summary["overall"]]:
+        for system, ci in group["x_plain"].items():
+            assert ci["low"] <= ci["value"] <= ci["high"], (system, ci)
+            per_prompt = [summary["per_prompt"][i]["x_plain"][system] for i in items]
+            assert ci["low"] <= statistics.median(per_prompt) <= ci["high"]  # two prompts: the median too
+        assert group["x_plain"]["edgespec ar"]["value"] == pytest.approx(1.0)
+        assert group["priced_x_plain"]["edgespec ar"]["value"] == pytest.approx(1.0)
+        share = group["oracle"]
+        assert share["oracle_x"] >= share["auto_x"] / (1 + DRAFT_NUMERICS)
+        assert share["fraction"] is None or share["fraction"] <= 1 + DRAFT_NUMERICS
+    for c in summary["claims"]:
+        assert c["verdict"] == verdict(SimpleNamespace(**c["interval"]))
+        assert c["claim"].startswith("auto")
+    assert {c["class"] for c in summary["claims"]} == {"code", "overall"}
+    for r in runs:
+        assert r["priced_tok_s"] > 0 and sum(r["passes_by_rows"].values()) > 0
+        if r["system"] != "edgespec auto":
+            assert r["oracle"] is None
+            continue
+        o = r["oracle"]
+        # Auto's own path is one the oracle weighs, exactly so where auto copied; where it used the draft
+        # model, the teacher-forced pass may break a near-tie the other way than autoregressive drafting did.
+        used_draft = any(key.startswith("draft:") for key in r["chosen"])
+        assert o["oracle_x"] >= o["auto_x"] / (1 + (DRAFT_NUMERICS if used_draft else 1e-9))
+        assert o["shadow_agree"] == o["shadow_positions"] and all(o["shadow_positions"].values())
+        assert set(o["oracle_x_alone"]) == {"lookup", "suffix", "draft"}
+        assert all(o["oracle_x"] >= x - 1e-9 for x in o["oracle_x_alone"].values())
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Claims" in markdown and "auto's share" in markdown
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "intervals.png").stat().st_size > 0
+
+
+# --- the statistics and the oracle on hand-made cases ----------------------------------------------------
+
+def test_the_geometric_mean_interval_resamples_prompts_within_their_class():
+    assert geomean([2.0, 0.5]) == pytest.approx(1.0)
+    same = geomean_interval([1.05] * 6)
+    assert same.low == pytest.approx(1.05) and same.high == pytest.approx(1.05) and verdict(same) == "holds"
+    spread = geomean_interval([0.9, 1.0, 1.1, 1.2, 0.95, 1.05])
+    assert spread.low < spread.value < spread.high and verdict(spread) == "cannot tell"
+    assert spread == geomean_interval([0.9, 1.0, 1.1, 1.2, 0.95, 1.05])  # seeded
+    assert verdict(geomean_interval([0.9, 0.92, 0.95, 0.93])) == "loses"
+    assert verdict(geomean_interval([1.5])) == "cannot tell"  # one prompt says nothing of its class
+    # Stratified: every resample keeps one prompt of each class, so two classes that differ but are each
+    # constant give no spread at all, where pooled resampling would.
+    strata = geomean_interval({"a": [1.2, 1.2], "b": [0.9, 0.9]})
+    assert strata.low == pytest.approx(strata.high) == pytest.approx(geomean([1.2, 1.2, 0.9, 0.9]))
+    assert geomean_interval([1.2, 1.2, 0.9, 0.9]).low < strata.low
+
+
+def _profile():
+    # CPU-like: each extra row costs 0.4 of a step; the draft model 0.3 of one; asks nearly free
+    return CostProfile({n: 10 * MS * (1 + 0.4 * (n - 1)) for n in range(1, 18)}, draft_s=3 * MS,
+                       lookup_s=0.01 * MS, suffix_s=0.02 * MS)
+
+
+def test_a_run_is_priced_by_its_passes_and_drafting():
+    pricing = orc.Pricing(_profile(), ("lookup", "suffix"))
+    stats = GenerationStats(mode="auto")
+    stats.record_round("none", 0, 0)
+    stats.record_round("lookup", 3, 2)
+    stats.record_round("draft", 2, 2)
+    stats.record_round("lookup", 1, 1, forced=2, forced_accepted=2)  # a constraint's 2 forced rows, 1 drafted
+    assert stats.passes_by_rows == {1: 1, 4: 2, 3: 1}
+    p = _profile()
+    expected = p.verify(1) + 2 * p.verify(4) + p.verify(3) + 2 * p.draft_s + 4 * (p.lookup_s + p.suffix_s)
+    assert pricing.run_seconds(stats) == pytest.approx(expected)
+    plain = GenerationStats(mode="ar")
+    for _ in range(5):
+        plain.record_round("none", 0, 0)
+    assert pricing.run_seconds(plain) == pytest.approx(5 * p.verify(1))
+
+
+def _brute_force(h, pricing, k_max):
+    """Every sequence of choices, by recursion: the cheapest time to emit the whole text."""
+    n = len(h.text)
+
+    def best(j):
+        if j >= n:
+            return 0.0
+        options = [pricing.verify(1) + best(j + 1)]
+        for d, acc in h.accepted.items():
+            for k in range(1, k_max + 1):
+                options.append(pricing.verify(k + 1) + pricing.draft(d, k) + best(j + min(min(k, int(acc[j])) + 1, n - j)))
+        return min(options)
+
+    return best(0)
+
+
+def test_the_oracle_is_the_cheapest_path_over_positions():
+    pricing = orc.Pricing(_profile(), ("lookup",))
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n = int(rng.integers(3, 9))
+        h = orc.Hindsight(np.arange(n), {"lookup": rng.integers(0, 5, size=n), "draft": rng.integers(0, 4, size=n)})
+        best = orc.oracle(h, pricing, k_max=4)
+        assert best.seconds == pytest.approx(_brute_force(h, pricing, 4))
+        assert best.plain_seconds == pytest.approx(n * pricing.verify(1)) and best.speedup >= 1.0
+        walked = sum(best.choices.values())
+        assert 1 <= walked <= n
+    nothing = orc.Hindsight(np.arange(5), {"lookup": np.zeros(5, dtype=np.int64)})
+    assert orc.oracle(nothing, pricing, 4).speedup == pytest.approx(1.0)
+    assert orc.oracle(nothing, pricing, 4).choices == {"none:0": 5}
+
+
+def test_acceptance_in_hindsight():
+    text = orc.with_end([5, 6, 7, 8], stopped=True)
+    assert text.tolist() == [5, 6, 7, 8, orc.END]
+    assert orc.accepted_run(np.array([6, 7, 9]), text, 1, frozenset({2})) == 2
+    assert orc.accepted_run(np.array([7, 8, 2, 4]), text, 2, frozenset({2})) == 3  # an end token matches the end
+    assert orc.runs_of_matches(np.array([5, 0, 7, 8, orc.END]), text).tolist() == [1, 0, 3, 2, 1]
+
+    class Lookup:  # proposes the rest of a fixed answer after the 3-token prompt
+        def propose(self, context, k, sampler):
+            return SimpleNamespace(tokens=np.array([5, 6, 7, 8][len(context) - 3:][:k], dtype=np.int32))
+
+    logged = [(4, "lookup", np.array([6, 7, 8])), (5, "lookup", np.array([0]))]  # the second is not the answer
+    h = orc.hindsight([1, 2, 3], text[:4], frozenset(), 4, shadow_log=logged, model_free={"lookup": Lookup()})
+    assert h.recorded == {"lookup": 2} and h.agree == {"lookup": 1}
+    assert h.accepted["lookup"].tolist() == [4, 3, 0, 1]  # position 2: auto's own proposal, as recorded
+
+
+def test_auto_keeps_its_shadow_proposals_only_when_asked():
+    from edgespec.drafters import PromptLookupDrafter
+    from edgespec.policy import AdaptivePolicy
+    from edgespec.sampling import Sampler, SamplingParams
+
+    policy = AdaptivePolicy(_profile(), PromptLookupDrafter(), None, k_max=4)
+    assert policy.shadow_log is None
+    state = SimpleNamespace(committed=np.array([1, 2, 3, 1, 2], dtype=np.int32), remaining=50, n=5, n_prompt=2,
+                            sampler=Sampler(SamplingParams(temperature=0), 0), forced=0)
+    policy.choose(state)
+    policy.shadow_log = []
+    policy.choose(state)
+    [(position, name, tokens)] = policy.shadow_log
+    assert position == 5 and name == "lookup" and tokens.tolist() == [3, 1, 2]
+
+
+def test_edgespec_bench_drives_the_race(monkeypatch):
+    """`edgespec bench` is the race: its options become the race's arguments (5 repeats by default)."""
+    from typer.testing import CliRunner
+
+    from edgespec import cli
+    from edgespec.bench import race
+
+    seen = []
+    monkeypatch.setattr(race, "main", lambda argv: seen.append(argv) or 0)
+    runner = CliRunner()
+    assert runner.invoke(cli.app, ["bench", "--models", "smollm2", "--classes", "code", "--no-cpp"]).exit_code == 0
+    args = race.parse_args(seen[-1])
+    assert (args.models, args.repeats, args.classes, args.no_cpp) == ("smollm2", race.DEFAULT_REPEATS, ["code"], True)
+    assert race.DEFAULT_REPEATS >= 5
+    assert runner.invoke(cli.app, ["bench", "--quick"]).exit_code == 0
+    quick = race.parse_args(seen[-1])
+    assert quick.models == "smollm2" and quick.repeats == 2 and quick.no_cpp
+    assert race.repeat_order([1, 2, 3], 0) == [1, 2, 3] and race.repeat_order([1, 2, 3], 1) == [3, 2, 1]

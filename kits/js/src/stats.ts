@@ -21,6 +21,7 @@ export class GenerationStats {
   draftedAt: number[] = [];
   acceptedAt: number[] = [];
   chosen: Record<string, number> = {}; // "drafter:k" -> rounds
+  passesByRows: Record<string, number> = {}; // rows a pass fed (drafted + 1) -> passes (prices a run by a cost curve)
 
   constructor(readonly mode: string, readonly seed: number) {}
 
@@ -30,6 +31,8 @@ export class GenerationStats {
     this.accepted += nAccepted;
     const key = `${drafter}:${nDrafted}`;
     this.chosen[key] = (this.chosen[key] ?? 0) + 1;
+    const rows = String(nDrafted + 1);
+    this.passesByRows[rows] = (this.passesByRows[rows] ?? 0) + 1;
     while (this.draftedAt.length < nDrafted) {
       this.draftedAt.push(0);
       this.acceptedAt.push(0);
@@ -80,6 +83,7 @@ export class GenerationStats {
       other_s: r(this.otherS, 6),
       tokens_per_s: r(this.tokensPerS, 3),
       chosen: { ...this.chosen },
+      passes_by_rows: { ...this.passesByRows },
       seed: this.seed,
       predicted_peak_bytes: null,
       peak_rss_bytes: null,
