@@ -607,10 +607,11 @@ class LlamaCppRuntime(TokenSequence):
                                 f"plan's draft length + 1); draft at most {rows_max - 1} tokens or re-plan")
         if self._checkpoints is not None:
             self._checkpoints.save(0, self._n_past)
-        return self._append(ids, n_logits)
+        return self._append(ids, rows)
 
-    def _append(self, ids: np.ndarray, n_logits: int) -> np.ndarray:
-        n = len(ids)
+    def _append(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Evaluate ids after the held tokens (no checkpoint: `_decode` and a rollback's replay call it)."""
+        n, n_logits = len(ids), len(rows)
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
         out_row = np.full(n, -1, dtype=np.int64)  # each token's row in `out`; -1 = no logits
         out_row[rows] = np.arange(n_logits)
@@ -756,7 +757,7 @@ class LlamaCppRuntime(TokenSequence):
             raise EdgespecError(f"{self.path.name}: llama.cpp could not roll this model's memory back to a checkpoint")
         self._n_past = start
         if start < n:
-            self._append(kept[start:], 0)
+            self._append(kept[start:], np.zeros(0, dtype=np.int64))
 
     def _cut_within_last_pass(self, seq: int, n: int, held: int) -> bool:
         """Roll `seq` back to n by llama.cpp's own snapshots when it can (within the last pass, inside
