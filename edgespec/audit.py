@@ -251,9 +251,12 @@ class Fresh:
     TAIL_BATCHES = (2, 4, 8, 16)
     PADS = (7, 16)
 
-    def __init__(self, runtime, pool=None):
+    def __init__(self, runtime, pool=None, chunks: Sequence[int] = (3,)):
         self.runtime = runtime
         self.pool = pool  # a several-sequence runtime (decode_batch): adds shapes that share passes and a pool
+        # the whole prefix in passes of each of these sizes (a recurrent model's state carries the
+        # arithmetic of every earlier pass: give it the pass sizes a generation used, e.g. 1 and k + 1)
+        self.chunks = tuple(chunks)
 
     def _eval(self, pieces: Sequence[tuple[np.ndarray, int]], row: int = -1) -> np.ndarray:
         rt = self.runtime
@@ -273,7 +276,7 @@ class Fresh:
         tail = max(1, n - self.TAIL)
         others = [self._eval([(ctx[:-1], 0), (ctx[-1:], 1)]),
                   self._eval([(ctx[:tail], 0)] + [(ctx[j:j + 1], 1) for j in range(tail, n)]),
-                  self._eval([(ctx[j:j + 3], len(ctx[j:j + 3])) for j in range(0, n, 3)])]
+                  *(self._eval([(ctx[j:j + c], len(ctx[j:j + c])) for j in range(0, n, c)]) for c in self.chunks)]
         others += [self._eval([(ctx[:n - j], 0), (ctx[n - j:], j)]) for j in self.TAIL_BATCHES if j < n]
         others += [self._eval([(np.concatenate([ctx, ctx[-pad:]]), 1 + min(pad, n))], 0) for pad in self.PADS]
         if self.pool is not None:

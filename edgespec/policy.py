@@ -314,9 +314,10 @@ class AdaptivePolicy:
     def _verify_costs(self, k: int) -> np.ndarray:
         """The pass's cost of n = 1 .. k + 1 rows of this request: verify(n) alone (computed once), the
         marginal verify(R + n) - verify(R) beside R rows of other requests."""
-        if not self.rows_besides and not self._forced:
-            return self._verify[:k + 1]
-        return np.array([self._pass(n) for n in range(1, k + 2)])
+        costs = self._verify[:k + 1] if not self.rows_besides and not self._forced else \
+            np.array([self._pass(n) for n in range(1, k + 2)])
+        # a recurrent model pays its rollback on every drafting round (priced as if a draft is rejected)
+        return costs + self.profile.rollback_s * (np.arange(k + 1) > 0) if self.profile.rollback_s else costs
 
     def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:
         """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""

@@ -42,7 +42,7 @@ from typing import Sequence
 from edgespec import atomic
 from edgespec.errors import EdgespecError, VocabMismatchError
 from edgespec.exporters import EXPORTER_VERSION
-from edgespec.exporters.checkpoint import Checkpoint, load_checkpoint
+from edgespec.exporters.checkpoint import LLAMA_CPP_FAMILY, Checkpoint, load_checkpoint
 from edgespec.exporters.progress import SILENT, Progress
 from edgespec.runtimes.formats import BUNDLE_MANIFEST, sha256_file
 from edgespec.runtimes.hf_tokenizer import HFTokenizer
@@ -144,15 +144,20 @@ def export_bundle(target: str | os.PathLike, out: str | os.PathLike, draft: str 
         check_mlx_quants(options.mlx_quants)
         need_mlx()
     progress.begin("checking the checkpoints")
-    target_ckpt = load_checkpoint(target)
-    draft_ckpt = load_checkpoint(draft) if draft is not None else None
+    gguf_only = set(options.formats) == {"gguf"}
+    target_ckpt = load_checkpoint(target, gguf_only=gguf_only)
+    draft_ckpt = load_checkpoint(draft, gguf_only=gguf_only) if draft is not None else None
+    by_llama_cpp = target_ckpt.family == LLAMA_CPP_FAMILY
+    if by_llama_cpp and options.self_draft and not options.self_draft.startswith("quant"):
+        raise EdgespecError(f"--self-draft layers needs our own converter ({target_ckpt.architecture} goes through "
+                            "llama.cpp's); use --self-draft quant or --draft")
     t_tok = HFTokenizer.load(target_ckpt.path)
     if draft_ckpt is not None:
         difference = tokenizer_difference(t_tok, HFTokenizer.load(draft_ckpt.path))
         if difference:
             raise VocabMismatchError(f"the draft's tokenizer does not match the target's: {difference}; "
                                      "export a draft trained with the target's tokenizer, or use --self-draft")
-    if "gguf" in options.formats:
+    if "gguf" in options.formats and not by_llama_cpp:  # (llama.cpp's converter checks its own)
         t_tok.llama_cpp_pre()  # fail now, not after the conversion, on a tokenizer llama.cpp cannot split
     self_draft = None
     if options.self_draft:

@@ -180,8 +180,14 @@ def resolve_checkpoint_dir(spec: str | os.PathLike) -> Path:
                               "and give its local directory") from None
 
 
-def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
-    """Open and validate a checkpoint: config, architecture, weights and tokenizer must all be there."""
+LLAMA_CPP_FAMILY = "llama.cpp"  # an architecture only llama.cpp's converter writes (GGUF export alone)
+
+
+def load_checkpoint(spec: str | os.PathLike, *, gguf_only: bool = False) -> Checkpoint:
+    """Open and validate a checkpoint: config, architecture, weights and tokenizer must all be there.
+
+    `gguf_only`: the checkpoint goes to GGUF alone, so any architecture llama.cpp's own converter knows
+    is accepted (family LLAMA_CPP_FAMILY; that converter checks its tensors)."""
     path = resolve_checkpoint_dir(spec)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -192,18 +198,30 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"{config_file} is not valid JSON ({exc})") from None
     architectures = config.get("architectures") or []
     arch = architectures[0] if architectures else config.get("model_type", "unknown")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{path.name}: architecture {arch!r} is not supported by the exporters; "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+    family = SUPPORTED_ARCHITECTURES.get(arch)
+    if family is None:
+        from edgespec.exporters.llama_source import llama_cpp_architectures
+
+        known = llama_cpp_architectures()
+        if gguf_only and arch in known:
+            family = LLAMA_CPP_FAMILY
+        else:
+            gguf = (f"; GGUF export (--format gguf) also converts it with llama.cpp's converter" if arch in known
+                    else f"; GGUF export also converts the {len(known)} architectures llama.cpp's converter knows")
+            raise CheckpointError(f"{path.name}: architecture {arch!r} is not supported by the exporters; "
+                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}{gguf}")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") + (
+        ("intermediate_size",) if family != LLAMA_CPP_FAMILY else ())
+    for key in required:
         if not isinstance(config.get(key), int):
             raise CheckpointError(f"{config_file} lacks {key!r}; the checkpoint is incomplete")
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json (a fast tokenizer); save the tokenizer with "
                               "transformers' save_pretrained next to the model")
     tensors = _read_safetensors_index(path)
-    ckpt = Checkpoint(path=path, config=config, tensors=tensors, family=SUPPORTED_ARCHITECTURES[arch])
-    _check_weights(ckpt)
+    ckpt = Checkpoint(path=path, config=config, tensors=tensors, family=family)
+    if family != LLAMA_CPP_FAMILY:
+        _check_weights(ckpt)
     return ckpt
 
 

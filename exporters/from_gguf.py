@@ -21,14 +21,24 @@ def smollm2_checkpoint_from_gguf(gguf_path: str | os.PathLike, directory: str | 
     back to SmolLM2's published settings (the GGUF's: bos 1, eos 2, no BOS added).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     gguf_path, directory = Path(gguf_path), Path(directory)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model.save_pretrained(directory, safe_serialization=True)
-    tok.save_pretrained(directory)
     del model
+    return smollm2_tokenizer_from_gguf(gguf_path, directory)
+
+
+def smollm2_tokenizer_from_gguf(gguf_path: str | os.PathLike, directory: str | os.PathLike) -> Path:
+    """SmolLM2's tokenizer files (its published settings, see above) written to `directory`: the
+    tokenizer a checkpoint of another architecture borrows to get a real vocabulary whose
+    pre-tokenizer llama.cpp's converter recognises (`smollm`)."""
+    from transformers import AutoTokenizer
+
+    gguf_path, directory = Path(gguf_path), Path(directory)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tok.save_pretrained(directory)
     tj_path = directory / "tokenizer.json"
     tj = json.loads(tj_path.read_text(encoding="utf-8"))
     tj["normalizer"] = None

@@ -28,7 +28,8 @@ import numpy as np
 import gguf
 
 from edgespec.errors import EdgespecError
-from edgespec.exporters.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from edgespec.exporters.checkpoint import (LLAMA_CPP_FAMILY, SUPPORTED_ARCHITECTURES, Checkpoint, CheckpointError,
+                                           load_checkpoint)
 from edgespec.exporters.progress import SILENT, Progress
 from edgespec.runtimes.hf_tokenizer import PARITY_TEXTS, HFTokenizer
 
@@ -305,6 +306,75 @@ def gguf_agreement(reference: str | os.PathLike, candidate: str | os.PathLike, t
             "max_abs_logit_diff": round(float(np.abs(a - b).max()), 4)}
 
 
+# --- every other architecture: llama.cpp's own converter --------------------------------------------
+
+def checkpoint_architecture(path: str | os.PathLike) -> str | None:
+    """The architecture a local checkpoint directory names in its config.json (None: none to read)."""
+    import json
+
+    config = Path(path) / "config.json"
+    try:
+        names = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return names[0] if names else None
+
+
+def convert_with_llama_cpp(checkpoint_dir: str | os.PathLike, out: str | os.PathLike, *, outtype: str = "f16",
+                           progress: Progress = SILENT) -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py from the vendored tree (its gguf-py first on PYTHONPATH, so
+    the GGUF matches the runtime that reads it), run as a subprocess; its last error line on failure."""
+    import subprocess
+    import sys
+
+    from edgespec.exporters.llama_source import llama_cpp_source
+
+    if outtype not in FLOAT_TYPES:
+        raise EdgespecError(f"GGUF conversion writes f32 or f16, not {outtype!r} (quantize afterwards)")
+    src = llama_cpp_source()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(src / "gguf-py"), os.environ.get("PYTHONPATH")) if p)}
+    progress.begin(f"converting {Path(checkpoint_dir).name} with llama.cpp's convert_hf_to_gguf.py ({outtype})")
+    proc = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(checkpoint_dir), "--outfile",
+                           str(out), "--outtype", outtype], env=env, capture_output=True, text=True)
+    progress.end()
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise EdgespecError(f"llama.cpp's converter failed on {checkpoint_dir}: {lines[-1] if lines else proc.returncode}")
+    return Path(out)
+
+
+def _export_with_llama_cpp(source: Path, out_dir: Path, quants: list[str], stem: str, n_threads: int | None,
+                           progress: Progress) -> GGUFArtifacts:
+    """export_gguf for an architecture our converter does not write: llama.cpp converts to a float
+    type, the runtime's quantize writes the rest."""
+    from edgespec.runtimes.llamacpp import quantize
+
+    floats = [q for q in quants if q in FLOAT_TYPES]
+    base = floats[0] if floats else "f16"
+    base_path = convert_with_llama_cpp(source, out_dir / f"{stem}.{base}.gguf", outtype=base, progress=progress)
+    files: dict[str, Path] = {}
+    for q in quants:
+        path = out_dir / f"{stem}.{q}.gguf"
+        if q == base:
+            files[q] = base_path
+        elif q in FLOAT_TYPES:
+            files[q] = convert_with_llama_cpp(source, path, outtype=q, progress=progress)
+        else:
+            progress.begin(f"quantizing {stem} to {q}")
+            files[q] = quantize(base_path, path, q, n_threads=n_threads)
+            progress.end()
+    if base not in quants:
+        base_path.unlink(missing_ok=True)
+    pre = _gguf_pre(files[quants[0]])
+    return GGUFArtifacts(files=files, tokenizer_pre=pre, tokenizer_parity={}, agreement={}, base=base)
+
+
+def _gguf_pre(path: Path) -> str:
+    reader = gguf.GGUFReader(path)
+    field = reader.get_field("tokenizer.ggml.pre")
+    return field.contents() if field is not None else ""
+
+
 def export_gguf(source: str | os.PathLike | Checkpoint, out_dir: str | os.PathLike, quants: Sequence[str], *,
                 stem: str = "model", n_layers: int | None = None, allow_tokenizer_mismatch: bool = False,
                 measure: bool = False, n_threads: int | None = None, progress: Progress = SILENT) -> GGUFArtifacts:
@@ -319,6 +389,21 @@ def export_gguf(source: str | os.PathLike | Checkpoint, out_dir: str | os.PathLi
     if not quants:
         raise EdgespecError("no GGUF quantization asked for")
     check_quant_types(quants)
+    if isinstance(source, Checkpoint) and source.family == LLAMA_CPP_FAMILY:
+        source = source.path
+    if not isinstance(source, Checkpoint) and n_layers is None:
+        arch = checkpoint_architecture(source)
+        if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
+            from edgespec.exporters.llama_source import llama_cpp_architectures
+
+            known = llama_cpp_architectures()
+            if arch not in known:
+                raise CheckpointError(f"{Path(source).name}: architecture {arch!r} is not supported; GGUF export "
+                                      f"converts {', '.join(SUPPORTED_ARCHITECTURES)} and the {len(known)} "
+                                      "architectures llama.cpp's convert_hf_to_gguf.py knows")
+            out_dir = Path(out_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            return _export_with_llama_cpp(Path(source), out_dir, quants, stem, n_threads, progress)
     ckpt = source if isinstance(source, Checkpoint) else load_checkpoint(source)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -47,5 +47,14 @@ def llama_cpp_source(version: str = LLAMA_CPP_PYTHON, log=sys.stderr) -> Path:
     return final
 
 
+def llama_cpp_architectures(version: str = LLAMA_CPP_PYTHON) -> frozenset[str]:
+    """The text-model architectures (config.json class names) its convert_hf_to_gguf.py converts."""
+    import re
+
+    registry = (llama_cpp_source(version) / "conversion" / "__init__.py").read_text(encoding="utf-8")
+    table = registry.split("TEXT_MODEL_MAP", 1)[1].split("}", 1)[0]
+    return frozenset(re.findall(r'"(\w+)"\s*:', table))
+
+
 if __name__ == "__main__":
     print(llama_cpp_source())

@@ -335,6 +335,98 @@ def _sizing(n_batch: int, n_threads: int, options: LlamaCppOptions) -> Sizing:
                   n_gpu_layers=options.n_gpu_layers)
 
 
+# --- recurrent and hybrid models: rollback through checkpoints of the recurrent state -----------------
+
+CHECKPOINT_DEPTH = 9  # checkpoints kept per sequence: a draft model's k one-token steps (k <= 8) and one more
+# Per-token snapshots of the recurrent state that llama.cpp keeps inside each pass (n_rs_seq, for the
+# architectures it supports: LFM2, Qwen3.5, Nemotron-H, ...): a rollback of up to this many tokens of
+# the last pass is then a plain llama_memory_seq_rm, with no restore and no replay. It costs
+# (1 + window) copies of the recurrent state in memory. auto drafts at most 16.
+SNAPSHOT_WINDOW = 16
+
+
+class RecurrentCheckpoints:
+    """Rollback for models with recurrent layers (Mamba-2, Gated DeltaNet, LFM2's short convolutions).
+
+    An attention KV cache can be cut at any position (`llama_memory_seq_rm`); a recurrent layer holds
+    one state per sequence, the sum of everything it has read, which llama.cpp cannot cut. So before
+    every pass the runtime saves the recurrent part of the sequence's state at the position the pass
+    starts from (`llama_state_seq_get_data_ext` with PARTIAL_ONLY: the recurrent state alone, not the
+    KV); a rollback to n restores the latest checkpoint at or before n, cuts the KV cells after it and
+    replays the kept tokens past it. A verify pass that rejects drafts thus costs one restore and one
+    replay pass of the accepted tokens (measured in edgespec.machine.profile). The last
+    CHECKPOINT_DEPTH checkpoints of each sequence are kept in reused buffers, so a draft model
+    stepping one token at a time rolls back without a replay.
+
+    Where llama.cpp keeps per-token snapshots inside a pass (SNAPSHOT_WINDOW), a rollback within the
+    last pass needs none of this: it is cut like attention KV. Measured on the tiny LFM2 (2 cores):
+    checkpoint 4 us, restore 13 us, a one-token replay pass 2.9 ms against a 3.6 ms verify pass; the
+    replay is the cost, so the snapshots (no replay) are used wherever the architecture has them.
+    The snapshots hold only the last pass: a rollback across passes (a draft model's one-token
+    steps) goes through the checkpoints.
+    """
+
+    FLAGS = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+    def __init__(self, ctx, depth: int = CHECKPOINT_DEPTH):
+        self._ctx = ctx
+        self.depth = depth
+        self._rings: dict[int, list[list]] = {}   # seq -> [[position, buffer, bytes used]], oldest first
+        self._spare: list = []                    # buffers of dropped checkpoints, reused
+        self.n_saved = self.n_restored = 0        # for tests and the profile
+
+    def save(self, seq: int, position: int) -> None:
+        """Checkpoint the recurrent state of `seq`, which has read exactly its first `position` tokens."""
+        ring = self._rings.setdefault(seq, [])
+        if ring and ring[-1][0] == position:
+            return  # the same prefix: the state saved there is still this one
+        size = int(ll.llama_state_seq_get_size_ext(self._ctx, seq, self.FLAGS))
+        if len(ring) >= self.depth:
+            entry = ring.pop(0)
+        else:
+            entry = [0, self._spare.pop() if self._spare else None, 0]
+        if entry[1] is None or len(entry[1]) < size:
+            entry[1] = (ctypes.c_uint8 * size)()
+        entry[0] = position
+        entry[2] = int(ll.llama_state_seq_get_data_ext(self._ctx, entry[1], size, seq, self.FLAGS))
+        ring.append(entry)
+        self.n_saved += 1
+
+    def restore(self, seq: int, n: int) -> int:
+        """Put back the latest checkpoint of `seq` at or before position n; drop the later ones. Returns
+        its position, or 0 when none is held (the caller then starts the sequence over)."""
+        ring = self._rings.get(seq, [])
+        while ring and ring[-1][0] > n:
+            self._spare.append(ring.pop()[1])
+        if not ring:
+            return 0
+        position, buf, used = ring[-1]
+        if ll.llama_state_seq_set_data_ext(self._ctx, buf, used, seq, self.FLAGS) == 0:
+            raise EdgespecError("llama.cpp refused a checkpoint of the recurrent state it saved itself")
+        self.n_restored += 1
+        return position
+
+    def drop_after(self, seq: int, n: int) -> None:
+        """Drop the checkpoints of `seq` past position n (the sequence was cut to n another way)."""
+        ring = self._rings.get(seq, [])
+        while ring and ring[-1][0] > n:
+            self._spare.append(ring.pop()[1])
+
+    def forget(self, seq: int) -> None:
+        """The sequence was replaced (a saved state loaded, a sequence cleared): its checkpoints no longer apply."""
+        self._spare.extend(entry[1] for entry in self._rings.pop(seq, []))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the checkpoint buffers hold, spare ones included."""
+        return sum(len(e[1]) for ring in self._rings.values() for e in ring) + sum(len(b) for b in self._spare)
+
+
+def is_recurrent_model(model) -> bool:
+    """Whether a loaded model has recurrent layers (wholly recurrent, or a hybrid with attention)."""
+    return bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
+
+
 class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
@@ -379,6 +471,7 @@ class LlamaCppRuntime(TokenSequence):
         cparams.n_batch = options.n_batch
         cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
         cparams.n_seq_max = options.n_seq_max
+        cparams.n_rs_seq = SNAPSHOT_WINDOW  # llama.cpp sets it to 0 for architectures without the snapshots
         cparams.kv_unified = True  # sequences (tree branches, sessions) share one pool of cells
         cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
         cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
@@ -420,6 +513,12 @@ class LlamaCppRuntime(TokenSequence):
 
         self._start_sequence(self.n_ctx)
         self._max_logit_rows = 0
+        self.recurrent = is_recurrent_model(self._model)
+        self._checkpoints = RecurrentCheckpoints(self._ctx) if self.recurrent else None
+        self.snapshot_window = int(ll.llama_n_rs_seq(self._ctx)) if self.recurrent else 0
+        self._last_call_start: dict[int, float] = {}  # seq -> position its tokens in the last llama_decode began at
+        if self.recurrent:  # a branch of recurrent state cannot be cut back to its path: chains only
+            self.capabilities = self.capabilities - {TreeDecoding}
         self.n_decode_calls = 0  # target passes, prefill chunks included (for stats and tests)
         self.n_decoded_tokens = 0  # tokens evaluated, all calls together (prefix reuse shows here)
 
@@ -506,6 +605,13 @@ class LlamaCppRuntime(TokenSequence):
         if rows_max and n_logits > rows_max:
             raise EdgespecError(f"{n_logits} logits rows asked of a context sized for {rows_max} (the memory "
                                 f"plan's draft length + 1); draft at most {rows_max - 1} tokens or re-plan")
+        if self._checkpoints is not None:
+            self._checkpoints.save(0, self._n_past)
+        return self._append(ids, rows)
+
+    def _append(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Evaluate ids after the held tokens (no checkpoint: `_decode` and a rollback's replay call it)."""
+        n, n_logits = len(ids), len(rows)
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
         out_row = np.full(n, -1, dtype=np.int64)  # each token's row in `out`; -1 = no logits
         out_row[rows] = np.arange(n_logits)
@@ -520,6 +626,7 @@ class LlamaCppRuntime(TokenSequence):
             rc = ll.llama_decode(self._ctx, self._batch)
             self.n_decode_calls += 1
             self.n_decoded_tokens += m
+            self._last_call_start[0] = self._n_past
             if rc != 0:
                 self.truncate(self._n_past)  # drop whatever part of the chunk got in
                 raise EdgespecError(f"llama_decode failed with code {rc} at position {self._n_past} "
@@ -630,11 +737,39 @@ class LlamaCppRuntime(TokenSequence):
         """Roll the KV back to its first n positions (the rollback speculation needs)."""
         if not self._check_truncate(n):
             return
+        if self._checkpoints is not None:
+            return self._rollback_recurrent(n)
         if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
             raise EdgespecError(f"{self.path.name}: llama.cpp cannot remove part of this model's memory "
                                 "(recurrent or hybrid architecture); speculative decoding needs rollback, "
                                 "use --mode ar")
         self._n_past = n
+
+    def _rollback_recurrent(self, n: int) -> None:
+        """Truncate a recurrent or hybrid model to n: restore the latest checkpoint at or before n,
+        drop the KV cells after it, replay the kept tokens past it (see RecurrentCheckpoints)."""
+        if self._cut_within_last_pass(0, n, self._n_past):
+            self._n_past = n
+            return
+        kept = self._tokens[:n].copy()
+        start = self._checkpoints.restore(0, n)
+        if not ll.llama_memory_seq_rm(self._mem, 0, start if start else -1, -1):
+            raise EdgespecError(f"{self.path.name}: llama.cpp could not roll this model's memory back to a checkpoint")
+        self._n_past = start
+        if start < n:
+            self._append(kept[start:], np.zeros(0, dtype=np.int64))
+
+    def _cut_within_last_pass(self, seq: int, n: int, held: int) -> bool:
+        """Roll `seq` back to n by llama.cpp's own snapshots when it can (within the last pass, inside
+        the window; single-use until the next pass); False: use the checkpoints."""
+        if not (self.snapshot_window and self._last_call_start.get(seq, np.inf) <= n
+                and held - n <= self.snapshot_window):
+            return False
+        if not ll.llama_memory_seq_rm(self._mem, seq, n, -1):
+            return False  # already cut once since the pass: llama.cpp refuses, nothing changed
+        self._last_call_start[seq] = np.inf
+        self._checkpoints.drop_after(seq, n)
+        return True
 
     # -- saved state ----------------------------------------------------------------------------
 
@@ -660,6 +795,9 @@ class LlamaCppRuntime(TokenSequence):
         n = len(tokens)
         self._tokens[:n] = np.asarray(tokens, dtype=np.int32)
         self._n_past = n
+        if self._checkpoints is not None:
+            self._checkpoints.forget(0)
+            self._last_call_start.pop(0, None)
 
     # -- memory and lifetime --------------------------------------------------------------------
 
@@ -685,6 +823,10 @@ class LlamaCppRuntime(TokenSequence):
             total = sum(v for k, v in self.buffers.items() if k.endswith(suffix))
             if total:
                 other[name] = total
+        if self._checkpoints is not None:  # recurrent state (with llama.cpp's snapshots), rollback checkpoints
+            state = int(ll.llama_state_seq_get_size_ext(self._ctx, 0, RecurrentCheckpoints.FLAGS))
+            other["recurrent_state"] = state * (1 + self.snapshot_window) * self.options.n_seq_max
+            other["checkpoints"] = self._checkpoints.nbytes
         return MemoryReport(
             weights=int(ll.llama_model_size(self._model)),
             kv_cache=int(self.kv_bytes_per_token() * self.n_ctx),
@@ -807,10 +949,25 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
             raise ValueError(f"cannot truncate sequence {seq} to {n}: {held} positions held")
         if n == held:
             return
+        if self._checkpoints is not None:
+            return self._seq_rollback_recurrent(seq, n)
         if not ll.llama_memory_seq_rm(self._mem, seq, n, -1):
             raise EdgespecError(f"{self.path.name}: llama.cpp cannot remove part of this model's memory "
                                 "(recurrent or hybrid architecture); it cannot verify speculative drafts")
         del self._seq_tokens[seq][n:]
+
+    def _seq_rollback_recurrent(self, seq: int, n: int) -> None:
+        """`seq_truncate` on a recurrent or hybrid model: restore, cut, replay (see RecurrentCheckpoints)."""
+        if self._cut_within_last_pass(seq, n, len(self._seq_tokens[seq])):
+            del self._seq_tokens[seq][n:]
+            return
+        kept = self._seq_tokens[seq][:n]
+        start = self._checkpoints.restore(seq, n)
+        if not ll.llama_memory_seq_rm(self._mem, seq, start, -1):
+            raise EdgespecError(f"{self.path.name}: llama.cpp could not roll this model's memory back to a checkpoint")
+        del self._seq_tokens[seq][start:]
+        if start < n:
+            self._decode_batch([(seq, kept[start:], 0)])
 
     def seq_clear(self, seq: int) -> None:
         self.seq_truncate(seq, 0)
@@ -826,6 +983,14 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
         seqs = [int(s) for s, _, _ in work]
         if len(set(seqs)) != len(seqs):
             raise ValueError("decode_batch: a sequence appears twice")
+        if self._checkpoints is not None:
+            for seq in seqs:
+                self._check_seq(seq)
+                self._checkpoints.save(seq, len(self._seq_tokens[seq]))
+        return self._decode_batch(work)
+
+    def _decode_batch(self, work: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        seqs = [int(s) for s, _, _ in work]
         flat_seq, flat_tok, flat_pos, flat_out = [], [], [], []
         outs: list[np.ndarray] = []
         for entry, (seq, tokens, n_logits) in enumerate(work):
@@ -870,6 +1035,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
                                     "fewer or shorter sessions, or a larger --ctx")
             for s in np.unique(seq_all[sl]).tolist():
                 self.passes_by_seq[s] += 1
+                self._last_call_start[s] = int(pos_all[sl][seq_all[sl] == s][0])
             for i, s in enumerate(seq_all[sl].tolist()):
                 self._seq_tokens[s].append(int(tok_all[start + i]))
             for i in np.flatnonzero(wanted):
@@ -903,6 +1069,9 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
             raise EdgespecError("llama.cpp refused the saved KV state (different model or build, or the KV pool "
                                 "is full); start a new session")
         self._seq_tokens[seq] = [int(t) for t in tokens]
+        if self._checkpoints is not None:
+            self._checkpoints.forget(seq)
+            self._last_call_start.pop(seq, None)
 
 
 class LlamaCppSequence:

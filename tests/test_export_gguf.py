@@ -166,9 +166,9 @@ def test_unsupported_architecture_missing_config_and_unknown_quant(hf_tiny, tmp_
 
     bad = _copy_checkpoint(hf_tiny["llama"], tmp_path / "gpt2arch")
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["NoSuchLMHeadModel"]  # (GPT2LMHeadModel now goes through llama.cpp's converter)
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(EdgespecError, match="GPT2LMHeadModel.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(EdgespecError, match="NoSuchLMHeadModel.*not supported.*LlamaForCausalLM"):
         export_gguf(bad, tmp_path / "out1", ["f16"])
     (bad / "config.json").unlink()
     with pytest.raises(EdgespecError, match="no config.json"):
@@ -278,3 +278,60 @@ def test_smollm2_requantized_agrees_with_the_original_file(smollm2_roundtrip, sm
     assert q4_1["top1_agreement"] >= 0.9
     assert q4_k_m["top1_agreement"] >= 0.8
     assert sample_tokens  # the export's own measure uses the same helper on its sample text
+
+
+# --- architectures llama.cpp's own converter writes ------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3", "lfm2", "qwen3next", "granitehybrid"])
+def test_export_of_a_checkpoint_llama_cpp_converts_loads_and_generates(hybrid_ggufs, smollm2_path, arch, tmp_path):
+    """Qwen3 and the hybrids (tests/hybrid_models.py) go through llama.cpp's converter, then our quantize."""
+    from hybrid_models import write_hybrid_checkpoint
+
+    from edgespec.engine import Engine, GenerationConfig
+    from edgespec.exporters.gguf_export import export_gguf
+
+    if arch in hybrid_ggufs:
+        checkpoint = hybrid_ggufs[arch].with_name(hybrid_ggufs[arch].stem + "-hf")
+    else:
+        checkpoint = write_hybrid_checkpoint(arch, tmp_path / "hf", smollm2_path)
+    art = export_gguf(checkpoint, tmp_path, ["f16", "q8_0"], stem=arch)
+    assert set(art.files) == {"f16", "q8_0"} and art.tokenizer_pre == "smollm"
+    for path in art.files.values():
+        with Engine(load_runtime(path, n_ctx=256)) as engine:
+            result = engine.generate("hello", GenerationConfig(max_tokens=6, mode="lookup", temperature=0))
+            assert result.stats.generated == 6
+
+
+def test_export_of_an_unknown_architecture_is_one_line(tmp_path):
+    from edgespec.exporters.checkpoint import CheckpointError
+    from edgespec.exporters.gguf_export import export_gguf
+
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    with pytest.raises(CheckpointError, match="'NoSuchForCausalLM' is not supported.*LlamaForCausalLM") as caught:
+        export_gguf(tmp_path, tmp_path / "out", ["f16"])
+    assert "\n" not in str(caught.value)
+
+
+def test_edgespec_export_of_a_hybrid_checkpoint_makes_a_gguf_bundle(hybrid_ggufs, tmp_path):
+    """As a new user would: `edgespec export` of an LFM2 checkpoint with a quantized self-draft."""
+    from typer.testing import CliRunner
+
+    from edgespec.cli import app
+    from edgespec.exporters.bundle import read_manifest
+
+    checkpoint = hybrid_ggufs["lfm2"].with_name(hybrid_ggufs["lfm2"].stem + "-hf")
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(app, ["export", str(checkpoint), "--out", str(out), "--quant", "q8_0",
+                                      "--self-draft", "quant:q4_0", "--no-measure"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(out)
+    assert manifest["target"]["family"] == "llama.cpp" and manifest["tokenizer"]["llama_cpp_pre"] == "smollm"
+    for role in ("target", "draft"):
+        with load_runtime(out / manifest["formats"]["gguf"][role][0]["file"], n_ctx=128) as rt:
+            assert rt.recurrent
+    from test_cli import edgespec
+
+    proc = edgespec("export", checkpoint, "--out", tmp_path / "b2", "--format", "onnx")
+    error = proc.stderr.strip().splitlines()[-1]  # after the progress bar's line
+    assert proc.returncode == 2 and error.startswith("error: ") and "Traceback" not in proc.stderr
+    assert "'Lfm2ForCausalLM' is not supported" in error and "--format gguf" in error

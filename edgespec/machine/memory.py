@@ -133,6 +133,8 @@ class ModelFacts:
     n_merges: int
     n_ctx_train: int
     tensors: tuple[TensorInfo, ...]
+    kv_layers: int | None = None     # layers with a KV cache (a hybrid's attention layers); None = all
+    recurrent_state_bytes: int = 0   # one sequence's recurrent state over all recurrent layers (f32)
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -147,8 +149,11 @@ class ModelFacts:
         return sum(t.nbytes for t in self.tensors)
 
     def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16", layers: int | None = None) -> int:
-        """K and V bytes one token takes over `layers` layers (all by default)."""
+        """K and V bytes one token takes over `layers` layers (all by default; a hybrid's attention
+        layers are that share of them)."""
         n = self.n_layer if layers is None else layers
+        if self.kv_layers is not None:
+            n = n * self.kv_layers // self.n_layer
         return n * (row_bytes(self.n_embd_k_gqa, type_k) + row_bytes(self.n_embd_v_gqa, type_v))
 
     def kv_bytes(self, n_ctx: int, type_k: str = "f16", type_v: str = "f16", layers: int | None = None) -> int:
@@ -215,16 +220,38 @@ def facts_from_reader(path: str | os.PathLike) -> ModelFacts:
         for t in reader.tensors)
     from edgespec.models.store import model_identity
 
+    n_layer = int(value(f"{arch}.block_count"))
+    # Recurrent layers: flagged per layer, or the layers without KV heads, or every layer of a
+    # wholly recurrent model (ssm keys and no attention).
+    flags = reader.fields.get(f"{arch}.attention.recurrent_layers")
+    kv_heads = reader.fields.get(f"{arch}.attention.head_count_kv")
+    if flags is not None:
+        n_recurrent = sum(bool(x) for x in flags.contents())
+    elif kv_heads is not None and isinstance(kv_heads.contents(), list):
+        n_recurrent = sum(int(x) == 0 for x in kv_heads.contents())
+    else:
+        n_recurrent = n_layer if value(f"{arch}.ssm.conv_kernel") and not n_head_kv else 0
+    if value(f"{arch}.shortconv.l_cache"):   # LFM2: a short convolution's window of inputs
+        per_layer = (int(value(f"{arch}.shortconv.l_cache")) - 1) * n_embd
+    elif value(f"{arch}.ssm.conv_kernel"):   # Mamba-2, Gated DeltaNet: a conv window and a state matrix
+        inner, state = int(value(f"{arch}.ssm.inner_size")), int(value(f"{arch}.ssm.state_size"))
+        groups = int(value(f"{arch}.ssm.group_count", 1) or 1)
+        per_layer = (int(value(f"{arch}.ssm.conv_kernel")) - 1) * (inner + 2 * groups * state) + state * inner
+    else:
+        per_layer = 0
+
     return ModelFacts(
         path=str(path), identity=model_identity(path), file_bytes=path.stat().st_size, arch=arch,
-        n_layer=int(value(f"{arch}.block_count")), n_embd=n_embd,
+        n_layer=n_layer, n_embd=n_embd,
         n_ff=int(value(f"{arch}.feed_forward_length", 0) or 4 * n_embd),
         n_head=n_head, n_head_kv=n_head_kv,
         head_k=int(value(f"{arch}.attention.key_length", n_embd // n_head)),
         head_v=int(value(f"{arch}.attention.value_length", n_embd // n_head)),
         n_vocab=length("tokenizer.ggml.tokens") or int(value(f"{arch}.vocab_size", 0)),
         n_merges=length("tokenizer.ggml.merges"),
-        n_ctx_train=int(value(f"{arch}.context_length", 0)), tensors=tensors)
+        n_ctx_train=int(value(f"{arch}.context_length", 0)), tensors=tensors,
+        kv_layers=n_layer - n_recurrent if n_recurrent else None,
+        recurrent_state_bytes=4 * per_layer * n_recurrent if per_layer else 0)
 
 
 def _run_probe(args: list[str], timeout: float = 600) -> dict:
@@ -605,6 +632,19 @@ def _model_terms(facts: ModelFacts, s: ModelSettings, cal: Calibration, hw: Hard
     return host, dev, transient
 
 
+SNAPSHOT_ARCHS = frozenset({"lfm2", "lfm2moe", "qwen35", "qwen35moe", "nemotron_h", "nemotron_h_moe"})
+
+
+def recurrent_bytes(facts: ModelFacts, n_seq: int = 1) -> int:
+    """A recurrent or hybrid model's state beyond its KV: one state per sequence, llama.cpp's per-token
+    snapshots of it where the architecture keeps them, and the runtime's rollback checkpoints
+    (runtimes/llamacpp.py: SNAPSHOT_WINDOW, CHECKPOINT_DEPTH)."""
+    from edgespec.runtimes.llamacpp import CHECKPOINT_DEPTH, SNAPSHOT_WINDOW
+
+    copies = 1 + (SNAPSHOT_WINDOW if facts.arch in SNAPSHOT_ARCHS else 0) + CHECKPOINT_DEPTH
+    return facts.recurrent_state_bytes * copies * n_seq
+
+
 def predict(setup: Setup, cal: Calibration, *, base_bytes: int | None = None) -> Prediction:
     """Peak memory of a setup. `base_bytes`: the process's RSS before loading, when known (the running
     process knows it exactly); otherwise the calibrated fixed overhead stands in for it."""
@@ -628,6 +668,9 @@ def predict(setup: Setup, cal: Calibration, *, base_bytes: int | None = None) ->
                                 + d_transient)
         host.update(d_host)
         dev.update(d_dev)
+    for prefix, facts, slots in (("target", setup.target, setup.parallel), ("draft", setup.draft, setup.parallel)):
+        if facts is not None and facts.recurrent_state_bytes and (prefix == "target" or setup.draft_settings):
+            host[f"{prefix}.recurrent"] = recurrent_bytes(facts, slots)
     rows = setup.max_draft + 1
     verify = cal.row_copies * rows * setup.target.n_vocab * 4
     if setup.sampling and setup.max_draft:

@@ -20,7 +20,8 @@ import numpy as np
 from edgespec import atomic
 from edgespec.runtimes.base import ModelIdentity, Runtime
 
-PROFILE_VERSION = 4  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s)
+PROFILE_VERSION = 5  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
+                     # 5: a recurrent model's rollback (rollback_s)
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
 
@@ -35,6 +36,8 @@ class CostProfile:
     lookup_s: float = 0.0               # one prompt-lookup proposal
     suffix_s: float = 0.0               # one suffix-drafting proposal over a full default history
     mtp_s: float | None = None          # one step of the target's own MTP head (NextTokenHeads), per drafted token
+    rollback_s: float = 0.0             # what rolling a rejected draft back adds to a round (recurrent
+                                        # models: restore a checkpoint and replay the accepted tokens)
     key: dict = field(default_factory=dict)
     measured_in_s: float = 0.0
 
@@ -120,6 +123,8 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
             times[n].append(_best_time(step, 1))
     verify_s = {n: min(ts) for n, ts in times.items()}
 
+    rollback_s = _rollback_cost(target, verify_s, rng, n_vocab, repeats) if getattr(target, "recurrent", False) else 0.0
+
     draft_s = catchup_s = None
     if draft is not None:
         draft.truncate(0)
@@ -149,8 +154,26 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     past.add(rng.integers(100, 1000, size=DEFAULT_HISTORY_TOKENS).astype(np.int32))
     suffix = SuffixDrafter(past)
     suffix_s = _best_time(lambda: suffix.propose(history, 16, sampler), 5)
-    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, suffix_s, mtp_s=mtp_s,
+    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, suffix_s, mtp_s=mtp_s, rollback_s=rollback_s,
                        measured_in_s=time.perf_counter() - t_start)
+
+
+ROLLBACK_PASS = 5  # a verify pass of k = 4 of which one draft is kept: the rollback keeps 2 of its 5 tokens
+
+
+def _rollback_cost(target: Runtime, verify_s: dict[int, float], rng, n_vocab: int, repeats: int) -> float:
+    """A recurrent model's rollback beyond the pass itself: the pass, then a cut inside it (a checkpoint
+    restored and the kept tokens replayed, or llama.cpp's own snapshots), less the pass alone."""
+    batch = rng.integers(100, min(n_vocab, 30000), size=ROLLBACK_PASS).astype(np.int32)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms the replay's buffers
+        t = time.perf_counter()
+        target.decode(batch, ROLLBACK_PASS)
+        target.truncate(CONTEXT_TOKENS + 2)
+        best = min(best, time.perf_counter() - t)
+        target.truncate(CONTEXT_TOKENS)
+    pass_s = verify_s.get(ROLLBACK_PASS) or CostProfile(verify_s).verify(ROLLBACK_PASS)
+    return max(0.0, best - pass_s)
 
 
 def _mtp_step_s(target: Runtime, context: np.ndarray, repeats: int) -> float | None:
