@@ -86,8 +86,21 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
         draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
         raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
+    if runtime == "onnx" and budget is not None and gpu_budget is None:  # no plan for ONNX: the guard alone
+        from edgespec.machine.guard import guard_loaded
+        from edgespec.machine.memory import parse_size
+
+        engine = Engine.load(target, draft, n_ctx=ctx, n_threads=threads, runtime=runtime, kv_resident=kv_resident,
+                             verbose=verbose)
+        try:
+            guard_loaded(engine, parse_size(budget))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
     if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):
-        raise EdgespecError(f"--budget plans llama.cpp setups; drop --budget or --runtime {runtime}")
+        raise EdgespecError(f"--budget plans llama.cpp setups (and guards ONNX Runtime's); drop --budget or "
+                            f"--runtime {runtime}")
     if budget is None and gpu_budget is None:
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
                            flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose,

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edgespec.errors import EdgespecError
+from edgespec.machine.guard import offer_engine_steps, release_draft  # release_draft: its old home
 from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
 
@@ -371,11 +372,11 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
         holder: dict = {}
         guard = MemoryGuard(budget_b, gpu_budget_bytes=the_plan.gpu_budget_bytes if hw.kind == "discrete" else None,
                             max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes,
-                            release_draft=(lambda: release_draft(holder["engine"])) if draft_rt else None,
                             device_baseline=device_baseline,
                             device_allocated=lambda: _device_bytes(holder["engine"]))
         engine = Engine(target_rt, draft_rt, memory_guard=guard)
         holder["engine"] = engine
+        offer_engine_steps(guard, engine, draft_bytes(the_plan))
     except BaseException:
         target_rt.close()
         if draft_rt is not None:
@@ -389,10 +390,11 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
                           n_threads: int | None = None, verbose: bool = False, reserve_bytes: int = 0):
     """`serve --parallel N --budget B`: plan the N slots' pool, load exactly that; (ParallelEngine, plan).
 
-    No memory guard watches the slots at run time (each request's KV is bounded by its slot); the
-    plan's peak is the one a full pool and N verify passes reach.
+    The plan's peak is the one a full pool and N verify passes reach; a `MemoryGuard` (the engine's
+    `memory_guard`) covers the rest at run time, checked between the scheduler's steps.
     """
     from edgespec import loader
+    from edgespec.machine.guard import MemoryGuard
     from edgespec.machine.memory import current_rss, parse_size
     from edgespec.runtimes import llamacpp
     from edgespec.serve.slots import ParallelEngine, slot_context
@@ -412,10 +414,14 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
     target_rt, draft_rt = loader.open_llamacpp_pair(target_path, t_opts, draft_path if s.draft else None, d_opts,
                                                     n_seq=parallel)
     try:
-        return ParallelEngine(target_rt, draft_rt, slot_ctx=per_slot), the_plan
+        engine = ParallelEngine(target_rt, draft_rt, slot_ctx=per_slot)
     except BaseException:
         target_rt.close()
         raise
+    # one guard for the process, checked between the scheduler's steps (edgespec.serve.slots)
+    engine.memory_guard = MemoryGuard(budget_b, max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes)
+    offer_engine_steps(engine.memory_guard, engine, draft_bytes(the_plan))
+    return engine, the_plan
 
 
 def _resolve(target: str | os.PathLike | None, draft: str | os.PathLike | None) -> tuple[Path, Path | None]:
@@ -439,13 +445,13 @@ def _device_bytes(engine) -> int:
     return sum(sum(rt.device_buffers().values()) for rt in (engine.target, engine.draft_runtime) if rt is not None)
 
 
-def release_draft(engine) -> None:
-    """Drop an engine's draft model and give its memory back (the guard's last resort before stopping)."""
-    runtime = engine.draft_runtime
-    engine.drafters.pop("draft", None)
-    engine.draft_runtime = None
-    if runtime is not None:
-        runtime.close()
+def draft_bytes(the_plan: Plan) -> int | None:
+    """What the plan predicts the draft model holds resident (weights, KV, buffers; not load-time peaks)."""
+    if not the_plan.settings.draft:
+        return None
+    transient = ("repack_staging",)
+    return sum(v for k, v in the_plan.prediction.host.items()
+               if k.startswith("draft.") and k.split(".", 1)[1] not in transient) or None
 
 
 def plan_for_cli(target: str | None, draft: str | None, *, budget: str, gpu_budget: str | None = None,

@@ -195,6 +195,11 @@ class _Service:
         # A prefix cache keeps KV blobs: a runtime that cannot save its KV (layered ONNX, Core ML) serves without one.
         saves = all(SavedState in rt.capabilities for rt in (engine.target, engine.draft_runtime) if rt is not None)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 and saves else None
+        guard = (parallel or engine).memory_guard
+        if guard is not None and self.prefix_cache is not None:  # under --budget: the first thing it sheds
+            from edgespec.machine.guard import PrefixCacheReleaser
+
+            guard.offer(PrefixCacheReleaser(self.prefix_cache))
         self.started = int(time.time())
         # Refuse a bad mode now, and let `auto` measure its costs before the first request.
         self.mode, _ = engine.policy_for(GenerationConfig(mode=config.mode, draft_max=config.draft_max))
@@ -386,8 +391,9 @@ class _Service:
     def submit(self, prompt_ids: list[int], config: GenerationConfig) -> AsyncGeneration:
         try:
             return self.queue.submit(prompt_ids, config, timeout=self.config.timeout_s)
-        except QueueFullError as exc:
-            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        except QueueFullError as exc:  # a full queue, or the memory guard not admitting (code memory_pressure)
+            raise ApiError(429, str(exc), "rate_limit_error", code=getattr(exc, "code", "queue_full"),
+                           headers={"Retry-After": "1"}) from None
 
     # -- generations to responses -----------------------------------------------------------------
 
