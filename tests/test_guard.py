@@ -151,16 +151,16 @@ def test_under_load_the_parallel_server_stays_under_a_budget_for_the_target_alon
     from edgespec.serve.slots import ParallelEngine
 
     options = LlamaCppOptions(n_ctx=2048, n_threads=1)
-    engine = ParallelEngine(LlamaCppMultiSeqRuntime(smollm2_path, options, n_seq=4),
-                            LlamaCppMultiSeqRuntime(smollm2_draft, options, n_seq=4), slot_ctx=512)
-    draft_bytes = engine.draft_runtime.memory().total
-    budget = current_rss() - draft_bytes + 48 * MiB  # the target, the process, a little room; not the draft
+    target = LlamaCppMultiSeqRuntime(smollm2_path, options, n_seq=4)
+    trim_heap()
+    budget = current_rss() + 48 * MiB  # the process and the target, a little room; not the draft
+    engine = ParallelEngine(target, LlamaCppMultiSeqRuntime(smollm2_draft, options, n_seq=4), slot_ctx=512)
     engine.memory_guard = MemoryGuard(budget)
     offer_engine_steps(engine.memory_guard, engine)
     app = create_app(engine, ServerConfig(model_id="m", mode="auto", prefix_cache_bytes=64 << 20, max_queue=64))
     service = app.state.service
     engine.memory_guard.check()  # a server under --budget is guarded from its first step
-    statuses, bodies = [], []
+    statuses, bodies, refused = [], [], []
 
     async def one(client, i):
         r = await client.post("/v1/completions", json={"model": "m", "prompt": f"Story {i}: once upon a time",
@@ -172,6 +172,12 @@ def test_under_load_the_parallel_server_stays_under_a_budget_for_the_target_alon
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
             await asyncio.gather(*(one(client, i) for i in range(16)))
+            guard = engine.memory_guard  # then pressure with nothing left to free: new requests get 429
+            guard.budget_bytes = int(current_rss() / 0.98)
+            guard.check()
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2})
+            refused.append((r.status_code, r.json(), r.headers))
+            guard.budget_bytes = budget
 
     try:
         with RssSampler() as sampler:
@@ -184,6 +190,9 @@ def test_under_load_the_parallel_server_stays_under_a_budget_for_the_target_alon
     for status, body in zip(statuses, bodies):
         if status == 429:
             assert body["error"]["code"] in ("memory_pressure", "queue_full") and body["error"]["message"]
+    status, body, headers = refused[0]
+    assert status == 429 and body["error"]["code"] == "memory_pressure" and "memory" in body["error"]["message"]
+    assert headers.get("retry-after")
     assert engine.draft_runtime is None  # the draft did not fit beside the target: it went
     assert max(sampler.samples) < budget, (max(sampler.samples) / MiB, budget / MiB)
     assert len(sampler.samples) > 10
