@@ -321,9 +321,37 @@ def trim_heap() -> bool:
 _malloc_trim = None
 
 
-def ladder_estimates(estimates: dict[str, int | None]) -> list[tuple[str, str, int | None]]:
-    """(step, what it does, bytes it frees about) in the ladder's order, for plan and doctor."""
-    return [(s.name, s.does, estimates.get(s.name)) for s in LADDER]
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20   # serve's --prefix-cache-mb default
+SUFFIX_TOKEN_BYTES = 4                   # int32 ids
+
+
+def ladder_rows(estimates: dict[str, int | None], notes: dict[str, str] | None = None) -> list[dict]:
+    """The ladder as rows for plan and doctor: step, what it does, bytes it frees about (None: unknown;
+    a note says what decides it)."""
+    notes = notes or {}
+    return [{"step": s.name, "does": s.does, "frees_bytes": estimates.get(s.name), "note": notes.get(s.name, "")}
+            for s in LADDER]
+
+
+def ladder_lines(rows: list[dict]) -> list[str]:
+    """A short table: step, frees about X MiB."""
+    out = ["  under pressure the guard frees, in order:"]
+    for r in rows:
+        n = r["frees_bytes"]
+        size = "-" if n is None else format_bytes(n)
+        out.append(f"    {r['step']:15} frees about {size:>10}  {r['does']}" + (f" ({r['note']})" if r["note"] else ""))
+    return out
+
+
+def default_estimates(draft_bytes: int | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                      history_tokens: int | None = None) -> dict[str, int | None]:
+    """What each step frees at most, from the settings: serve's prefix cache when full, a full suffix
+    history, the draft's resident bytes (the plan's), nothing for admission (it stops growth)."""
+    from edgespec.drafters.suffix import DEFAULT_HISTORY_TOKENS
+
+    tokens = DEFAULT_HISTORY_TOKENS if history_tokens is None else history_tokens
+    return {"saved_state": prefix_cache_bytes, "suffix_history": tokens * SUFFIX_TOKEN_BYTES,
+            "draft_model": draft_bytes, "admission": 0, "refuse": None}
 
 
 # --- the guard ---------------------------------------------------------------------------------------

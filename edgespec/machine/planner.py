@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Iterator
 
 from edgespec.errors import EdgespecError
-from edgespec.machine.guard import offer_engine_steps, release_draft  # release_draft: its old home
+from edgespec.machine.guard import (DEFAULT_PREFIX_CACHE_BYTES, default_estimates, ladder_lines, ladder_rows,
+                                    offer_engine_steps, release_draft)  # release_draft: its old home
 from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
 
@@ -120,7 +121,8 @@ class Plan:
                "breakdown": self.prediction.breakdown(), "settings": self.settings.to_dict(),
                "budget_bytes": self.budget_bytes, "gpu_budget_bytes": self.gpu_budget_bytes,
                "margin_bytes": self.margin_bytes, "memory_kind": self.hardware.kind,
-               "target": self.target, "draft": self.draft, "notes": list(self.notes)}
+               "target": self.target, "draft": self.draft, "notes": list(self.notes),
+               "guard_ladder": self.guard_ladder()}
         if self.prediction.device:
             out["predicted_gpu_peak_bytes"] = self.prediction.device_peak_bytes
         if not self.fits:
@@ -168,7 +170,18 @@ class Plan:
                 if value:
                     lines.append(f"    {pool:4} {name:26} {format_bytes(value):>12}")
         lines += [f"  note: {n}" for n in self.notes]
+        lines += ladder_lines(self.guard_ladder())
         return lines
+
+    def guard_ladder(self) -> list[dict]:
+        """What the run-time guard's steps free about, under this plan (edgespec.machine.guard.LADDER)."""
+        draft = draft_bytes(self)
+        notes = {"saved_state": "serve's prefix cache when full (--prefix-cache-mb)",
+                 "suffix_history": "a full history (--history-limit)",
+                 "draft_model": "its weights, KV and buffers" if draft else "no draft in this plan",
+                 "refuse": "the last step"}
+        return ladder_rows(default_estimates(draft or 0, self.prediction.host.get("reserved") or
+                                             DEFAULT_PREFIX_CACHE_BYTES), notes)
 
 
 def _margin(peak: int) -> int:
