@@ -196,3 +196,42 @@ def test_under_load_the_parallel_server_stays_under_a_budget_for_the_target_alon
     assert engine.draft_runtime is None  # the draft did not fit beside the target: it went
     assert max(sampler.samples) < budget, (max(sampler.samples) / MiB, budget / MiB)
     assert len(sampler.samples) > 10
+
+
+# --- the cloud verifier: per-session state -------------------------------------------------------------
+
+def test_the_verifier_sheds_idle_sessions_then_refuses_new_ones(smollm2_path):
+    from edgespec.cloud.protocol import ProtocolError, SessionRequest
+    from edgespec.cloud.verifier import VerifierConfig, load_core
+    from edgespec.sampling import SamplingParams
+
+    config = VerifierConfig(api_keys=("k" * 8,), max_sessions=4, max_context=256, budget_bytes=current_rss() * 8,
+                            idle_shed_s=0.5)
+    core = load_core(str(smollm2_path), config, n_threads=1)
+    guard = core.memory_guard
+
+    def start(n: int):
+        request = SessionRequest(np.arange(100, 100 + n, dtype=np.int32), SamplingParams(temperature=0), 1)
+        return core.submit("start", "owner", request).result(timeout=60)
+
+    try:
+        ids = [start(40 + i).session_id for i in range(3)]
+        assert len(core.sessions) == 3
+        time.sleep(0.6)
+        assert guard.estimates()["saved_state"] > 3 * 40 * 8
+        trim_heap()
+        guard.budget_bytes = int(current_rss() / 0.98)  # pressure: idle sessions go first
+        deadline = time.monotonic() + 5
+        while core.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not set(ids) & set(core.sessions) and core.stats()["shed"] == 3
+        time.sleep(1.2)  # still pressed, nothing left to shed: no new sessions, with the usual error
+        with pytest.raises(ProtocolError) as refused:
+            start(20)
+        assert refused.value.status == 503 and "memory" in refused.value.message
+        guard.budget_bytes = current_rss() * 8  # room again
+        time.sleep(1.2)
+        assert start(20).session_id
+    finally:
+        core.stop()
+        core.runtime.close()
