@@ -441,8 +441,13 @@ def test_cli_generate_runs_a_bundle_on_onnx_runtime(tiny_bundle, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["stats"]["mode"] == "draft" and len(out["tokens"]) == 6
-    proc = generate("--runtime", "onnx", "--budget", "1G")
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --budget plans llama.cpp setups; drop --budget or --runtime onnx"
+    proc = generate("--runtime", "onnx", "--budget", "8G", "--json")  # no plan for ONNX: the guard holds it
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["tokens"]) == 6
+    proc = generate("--runtime", "onnx", "--budget", "1M")
+    assert proc.returncode == 2 and "over the --budget of 1.0 MiB" in proc.stderr
+    proc = generate("--runtime", "onnx", "--budget", "8G", "--gpu-budget", "1G")
+    assert proc.returncode == 2 and "drop --budget or --runtime onnx" in proc.stderr
 
 
 def test_bundle_self_draft_is_the_listed_quant(exported, tmp_path):
