@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from edgespec.policy import Choice
 
 
+MAX_EVENTS = 64
+
+
 class MemoryBudgetError(EdgespecError):
     """The budget would be crossed and there is nothing left to give up."""
 
@@ -427,12 +430,23 @@ class MemoryGuard:
                 self._relieve(pressure, rss, gpu)
             elif not self.admitting and pressure < self.soft * 0.98:  # room again: take requests
                 self.admitting = True
-                self.events.append(f"memory back under the soft line ({self._where(rss, gpu)}): admitting again")
+                self._event(f"memory back under the soft line ({self._where(rss, gpu)}): admitting again")
             self.observe(state)
             return self.cap
 
     def pressure(self) -> float:
         return self._sample()[0]
+
+    def still_admitting(self) -> bool:
+        """Whether new requests may come in, sampling again when they may not (from any thread: it frees
+        nothing, so it never touches what another thread is running)."""
+        with self._lock:
+            if not self.admitting:
+                pressure, rss, gpu = self._sample()
+                if pressure < self.soft * 0.98:
+                    self.admitting = True
+                    self._event(f"memory back under the soft line ({self._where(rss, gpu)}): admitting again")
+            return self.admitting
 
     def _sample(self) -> tuple[float, int, int | None]:
         rss = self._rss()
@@ -458,6 +472,10 @@ class MemoryGuard:
 
     # -- climbing the ladder ------------------------------------------------------------------------
 
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        del self.events[:-MAX_EVENTS]  # a long-running server under pressure keeps the latest
+
     def _where(self, rss: int, gpu: int | None) -> str:
         where = f"resident {format_bytes(rss)} of a {format_bytes(self.budget_bytes)} budget"
         if gpu is not None and self.gpu_budget_bytes:
@@ -478,15 +496,15 @@ class MemoryGuard:
             pressure, rss, gpu = self._sample()
             self.released.append({"step": releaser.step, "estimate_bytes": estimate, "rss_before": before,
                                   "rss_after": rss})
-            self.events.append(f"memory pressure ({self._where(before, gpu)}): {what} (frees about "
+            self._event(f"memory pressure ({self._where(before, gpu)}): {what} (frees about "
                                f"{format_bytes(estimate)}; resident now {format_bytes(rss)})")
         if pressure < self.soft:
             return
         if self.admitting:
             self.admitting = False
-            self.events.append(f"memory pressure ({self._where(rss, gpu)}): stopped admitting new requests")
+            self._event(f"memory pressure ({self._where(rss, gpu)}): stopped admitting new requests")
         if pressure >= self.hard:
-            self.events.append(f"memory budget reached ({self._where(rss, gpu)}): stopped")
+            self._event(f"memory budget reached ({self._where(rss, gpu)}): stopped")
             raise MemoryBudgetError(
                 f"the memory budget of {format_bytes(self.budget_bytes)} is about to be exceeded "
                 f"({self._where(rss, gpu)}) and there is nothing left to free (no prefix cache, suffix history "

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edgespec.serve.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTimeoutError
 from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
 from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.machine.guard import MemoryBudgetError
 from edgespec.serve.prefix_cache import PrefixCache
 from edgespec.runtimes.base import SavedState
 from edgespec.serve.slots import ParallelEngine, SlotScheduler, StepFailedError
@@ -478,6 +479,8 @@ def _result_or_raise(task: asyncio.Future) -> GenerationResult:
         raise ApiError(400, str(exc), code="context_length_exceeded") from None
     except StepFailedError as exc:  # the model failed, not the request: another try may pass
         raise ApiError(503, str(exc), "server_error", code="unavailable", headers={"Retry-After": "1"}) from None
+    except MemoryBudgetError as exc:  # the guard refused work at the budget: the process, not the request
+        raise ApiError(503, str(exc), "server_error", code="memory_budget", headers={"Retry-After": "5"}) from None
     except EdgespecError as exc:
         raise ApiError(400, str(exc)) from None
 

@@ -214,7 +214,7 @@ class SlotScheduler(Submitter):
         deadline = None if timeout is None else time.monotonic() + timeout
         gen = AsyncGeneration(next(self._ids), list(prompt_ids), config, deadline, asyncio.get_running_loop())
         guard = self.engine.memory_guard
-        if guard is not None and not guard.admitting:
+        if guard is not None and not guard.still_admitting():
             self.counters["rejected"] += 1
             raise MemoryPressureError(guard.refusal())
         with self._count_lock:
