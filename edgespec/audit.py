@@ -49,6 +49,8 @@ class VerifyPass:
     greedy: bool
     uniforms: list[float] = field(default_factory=list)  # the rule's draws, in order
     decision: tuple = ()          # what the rule returned: (n_accepted or path, token)
+    skipped: tuple[int, ...] = ()  # raw rows not computed: their draft token is the only one the
+    #                                grammar admits, so the rule sees a point mass there (Engine.verify_rows)
 
     def emitted(self) -> list[int]:
         """The tokens this pass commits (before stops cut them)."""
@@ -113,7 +115,7 @@ class Recorder:
         self.passes: list[VerifyPass] = []
 
     def rule(self, rule: Callable, *, key: Hashable, committed: np.ndarray, logits: np.ndarray,
-             held: np.ndarray, seq: int = 0, greedy: bool, tree: bool = False) -> Callable:
+             held: np.ndarray, seq: int = 0, greedy: bool, tree: bool = False, skipped: Sequence[int] = ()) -> Callable:
         """`rule` wrapped so that calling it records the pass. `held`: for a chain, the tokens the
         runtime holds after the pass (the rows are its last ones); for a tree, the tokens before the root."""
         committed = np.array(committed, dtype=np.int32)
@@ -134,18 +136,20 @@ class Recorder:
                 nodes, probs = np.asarray(draft), draft_probs_or_parents
             self.passes.append(VerifyPass(key, seq, committed, fed.copy(), positions, nodes.copy(), probs,
                                           parents, logits, rows, greedy, uniforms,
-                                          (list(decision[0]) if tree else int(decision[0]), int(decision[1]))))
+                                          (list(decision[0]) if tree else int(decision[0]), int(decision[1])),
+                                          tuple(int(j) for j in skipped)))
             return decision
 
         return recorded
 
-    def engine_rule(self, rule: Callable, state, logits: np.ndarray, target, tree_lead: np.ndarray | None = None):
+    def engine_rule(self, rule: Callable, state, logits: np.ndarray, target, tree_lead: np.ndarray | None = None,
+                    skipped: Sequence[int] = ()):
         """`rule` wrapped for one of `Engine`'s passes on `target`; a tree's pass also fed `tree_lead`
-        (unseen committed tokens) as a chain before its root."""
+        (unseen committed tokens) as a chain before its root; `skipped`: rows the pass did not compute."""
         tree = tree_lead is not None
         held = np.concatenate([target.tokens, tree_lead]) if tree else target.tokens
         return self.rule(rule, key=state, committed=state.committed, logits=logits, held=held,
-                         seq=target.seq, greedy=state.sampler.params.greedy, tree=tree)
+                         seq=target.seq, greedy=state.sampler.params.greedy, tree=tree, skipped=skipped)
 
     def by_key(self) -> dict[Hashable, list[VerifyPass]]:
         """The passes of each generation, in order (keyed by identity where the key is not hashable;
@@ -192,6 +196,19 @@ def check_structure(p: VerifyPass, where: str) -> None:
                                  f"committed text's token there (context of {len(ctx)} tokens ends {ctx[-3:]})")
 
 
+def check_skipped(p: VerifyPass, where: str) -> None:
+    """A row the pass did not compute must be one the rule cannot be swayed by: a point mass on its
+    draft token after the grammar's mask (greedy: the only finite entry; sampling: probability 1)."""
+    for j in p.skipped:
+        if p.parents is not None or not 0 <= j < len(p.draft):
+            raise ExactnessError(f"{where}: row {j} was skipped, but only a chain's drafted tokens may be")
+        row, token = p.rows[j], int(p.draft[j])
+        certain = (np.isfinite(row).sum() == 1 and np.isfinite(row[token])) if p.greedy else row[token] == 1.0
+        if not certain:
+            raise ExactnessError(f"{where}: row {j} was not computed, yet its processed row is not a point mass "
+                                 f"on the drafted token {token}")
+
+
 def check_decisions(passes: Sequence[VerifyPass], prompt: Sequence[int], emitted: Sequence[int]) -> int:
     """One generation's passes, in order: each committed context is prompt + what came before, each
     decision is the reference rule's on the recorded rows, and together they emit exactly `emitted`
@@ -206,6 +223,7 @@ def check_decisions(passes: Sequence[VerifyPass], prompt: Sequence[int], emitted
             raise ExactnessError(f"{where}: verified after {len(p.committed)} committed tokens that are not the "
                                  f"prompt + the {len(text) - n_prompt} tokens emitted before it")
         check_structure(p, where)
+        check_skipped(p, where)
         expected = reference_decision(p)
         if tuple(expected) != tuple(p.decision):
             raise ExactnessError(f"{where}: the rule on the recorded rows gives {expected}, the engine took "
@@ -311,6 +329,8 @@ def check_rows(passes: Sequence[VerifyPass], fresh: Fresh, *, which: Callable[[i
         if which is not None and not which(i, p):
             continue
         for r, ctx in enumerate(p.contexts()):
+            if r in p.skipped:  # never computed: nothing to compare
+                continue
             reference, others = fresh.shapes(ctx)
             spread = max(float(np.abs(o - reference).max()) for o in others)
             deviation = float(np.abs(p.logits[r].astype(np.float64) - reference).max())

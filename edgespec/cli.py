@@ -32,7 +32,8 @@ app = typer.Typer(
 # --- edgespec generate: one prompt in, text and stats out ------------------------------------
 
 TARGET_HELP = ("target model: a catalog name (see `edgespec models list`), a .gguf path, hf:OWNER/REPO[:QUANT], "
-               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL}]")
+               f"ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO [default: {DEFAULT_MODEL} with its catalog draft; "
+               "smollm2-135m is the 98 MB choice]")
 # Options several commands share (one definition, the same flag and help everywhere).
 TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
@@ -70,6 +71,17 @@ def auto_draft_option(target: str | None, draft: str | None, mode: str | None = 
     return choose_draft(target, draft, mode=mode, notify=lambda message: typer.echo(message, err=True))
 
 
+def check_mtp_target(target: str | None) -> None:
+    """`--mode mtp` on a model without NextN layers: one line, before any model loads (read from the GGUF header)."""
+    from edgespec.loader import resolve
+    from edgespec.runtimes.formats import gguf_nextn_layers
+
+    path = resolve(target)
+    if gguf_nextn_layers(path) == 0:
+        raise EdgespecError(f"--mode mtp: {path.name} has no MTP (NextN) layers to draft with; use --mode auto, "
+                            "or a model that has an MTP head (`edgespec models list` shows which do)")
+
+
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
@@ -82,6 +94,8 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
     engine (serve: its prefix cache)."""
     from edgespec.engine import Engine
 
+    if mode == "mtp" and runtime == "llamacpp":
+        check_mtp_target(target)
     if runtime != "mlx":  # draft auto picks among installed GGUF models; mlx reports it (edgespec.loader)
         draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
@@ -181,8 +195,6 @@ def generate(
     if not prompt.strip():
         raise EdgespecError("the prompt is empty; give some text to continue or answer")
     if verifier:
-        if config.constraint is not None:
-            raise EdgespecError("--json-schema, --grammar and --regex are not supported with --verifier yet")
         if runtime not in ("llamacpp", "mlx"):
             raise EdgespecError("generate --verifier drafts with llama.cpp or MLX; drop --runtime or use --runtime mlx")
         _generate_with_verifier(verifier, api_key, verifier_ca, draft or target, prompt if raw else messages, config,
@@ -325,6 +337,13 @@ def _bytes_h(n: int) -> str:
     return f"{n} B"
 
 
+def _mtp_cell(entry, n_heads: int | None) -> str:
+    """Whether a model carries an MTP head: from the cached GGUF's header, else what the catalog says."""
+    if n_heads is None:
+        n_heads = getattr(entry, "mtp_heads", 0) or 0
+    return f"yes ({n_heads})" if n_heads else "-"
+
+
 @models_app.command("list")
 def models_list() -> None:
     """Show the catalog, which models are cached, and the disk they use."""
@@ -334,22 +353,26 @@ def models_list() -> None:
 
     from edgespec.models import catalog, store
 
-    on_disk = {entry.name: size for entry, _, size in store.cached()}
+    from edgespec.runtimes.formats import gguf_nextn_layers
+
+    cached = list(store.cached())
+    on_disk = {entry.name: size for entry, _, size in cached}
+    heads = {entry.name: gguf_nextn_layers(path) for entry, path, _ in cached}  # read from the GGUF header
     table = Table(
         title=f"models in {store.models_dir()}", title_justify="left",
         box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,  # fits 80 columns
     )
-    for column in ("name", "size", "quant", "draft", "cached", "disk"):
+    for column in ("name", "size", "quant", "draft", "cached", "disk", "mtp"):  # mtp last: scripts read by position
         table.add_column(column, no_wrap=True)
     for e in catalog.entries():
         size = on_disk.get(e.name)
         table.add_row(
             e.name, _bytes_h(e.size_bytes), e.quant,
-            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-",
+            e.draft or "-", "yes" if size else "no", _bytes_h(size) if size else "-", _mtp_cell(e, heads.get(e.name)),
         )
     console = Console()
     console.print(table)
-    console.print(f"default model: {catalog.DEFAULT_MODEL}")
+    console.print(f"default model: {catalog.DEFAULT_MODEL} with draft {catalog.get(catalog.DEFAULT_MODEL).draft}")
     console.print(f"total disk use: {_bytes_h(sum(on_disk.values()))}")
     others = [m for m in store.installed() if m["source"] != "catalog"]
     if others:  # what the HF cache, Ollama and LM Studio hold: each name runs in place
@@ -722,7 +745,10 @@ def _generate_with_verifier(url: str, api_key: str | None, ca_file: str | None, 
 
     options = CloudOptions(url=url, api_key=api_key, ca_file=ca_file, max_inflight=in_flight)
     notify = lambda message: typer.echo(f"edgespec: {message}", err=True)  # noqa: E731
-    with CloudEdgeClient.load(draft or DEFAULT_MODEL, options, n_ctx=ctx, n_threads=threads,
+    from edgespec.loader import choose_draft
+
+    # Nothing named: the edge drafts with the default model's draft (the verifier's default is its target).
+    with CloudEdgeClient.load(draft or choose_draft(None, None), options, n_ctx=ctx, n_threads=threads,
                               n_gpu_layers=gpu_layers, verbose=verbose, notify=notify, runtime=runtime) as client:
         _print_stream(client.stream(prompt, config), as_json)
 

@@ -6,7 +6,8 @@ Each round reads like the papers' pseudocode:
     choice     = policy.choose(state + forced)  # a drafter and k; k = 0 is plain decoding
     draft      = forced + drafter.propose(context + forced, k)  # x_1..x_k (and q_1..q_k when sampling),
                                                 # cut at the first token the constraint forbids
-    rows       = target.decode([last] + draft)  # p_1..p_{k+1} in one pass
+    rows       = target.decode([last] + draft)  # p_1..p_{k+1} in one pass (none for a token the
+                                                # constraint admits alone: its p is a point mass)
     n, token   = verify(draft, q, p)            # accept a prefix, then correct or add a bonus token
     target.truncate(...); commit(draft[:n] + [token]); policy.observe(...)
 
@@ -36,7 +37,7 @@ from edgespec.drafters.table import build_drafters
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.machine.guard import MemoryGuard, cap_choice
 from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
-from edgespec.runtimes.base import GrammarVocabulary, Runtime, TreeDecoding, sync_to
+from edgespec.runtimes.base import GrammarVocabulary, Runtime, SelectedRows, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.state import SpeculativeState
 from edgespec.stats import GenerationStats
@@ -152,7 +153,7 @@ class Engine:
         anew from the table (edgespec.drafters.table) over it and the draft model, if any."""
         history.key = history.key or vocabulary_key(self.target)
         self.history = history
-        self.drafters = build_drafters(DraftSources(draft=self.draft_runtime, history=history))
+        self.drafters = build_drafters(DraftSources(draft=self.draft_runtime, target=self.target, history=history))
 
     def cost_profile(self, refresh: bool = False):
         """The measured costs `--mode auto` weighs (cached on disk per model, build, device, threads)."""
@@ -298,9 +299,9 @@ class Engine:
         if draft.parents is not None:
             return self.verify_tree_step(state, draft)
         t = time.perf_counter()
-        logits = self.target.decode(self.verify_feed(state, draft), len(draft) + 1)
+        logits, skipped = self.verify_rows(state, draft)
         pass_s = time.perf_counter() - t
-        verification = self.verify_accept(state, draft, logits, verifier)
+        verification = self.verify_accept(state, draft, logits, verifier, skipped)
         state.stats.verify_s += time.perf_counter() - t
         return replace(verification, pass_s=pass_s)
 
@@ -312,13 +313,33 @@ class Engine:
         """
         return np.concatenate([state.committed[self.target.n_past:], draft.tokens])
 
+    def verify_rows(self, state: SpeculativeState, draft: Draft) -> tuple[np.ndarray, np.ndarray]:
+        """The target's raw rows of one pass over the last committed token and the draft, and the
+        indices of those it did not compute.
+
+        A drafted token the grammar admits alone (`draft.certain`) has a point mass for its masked
+        distribution whatever its row says: it is accepted with probability 1. Where the runtime
+        computes selected rows only, that row is skipped (zeros stand in; the mask turns them into
+        the point mass) while the token is still fed, since its KV is needed. Not when log-probabilities
+        are asked for: they report the model's own rows.
+        """
+        feed, n_rows = self.verify_feed(state, draft), len(draft) + 1
+        skipped = np.flatnonzero(draft.certain) if draft.certain is not None else np.zeros(0, dtype=np.int64)
+        if not len(skipped) or SelectedRows not in self.target.capabilities or state.top_logprobs is not None:
+            return self.target.decode(feed, n_rows), skipped[:0]
+        wanted = np.setdiff1d(np.arange(n_rows), skipped)
+        logits = np.zeros((n_rows, self.target.vocab.n_vocab), dtype=np.float32)
+        logits[wanted] = self.target.decode_rows(feed, wanted + len(feed) - n_rows)
+        return logits, skipped
+
     def verify_accept(self, state: SpeculativeState, draft: Draft, logits: np.ndarray,
-                      verifier: Verifier | None = None) -> Verification:
-        """Accept a prefix of the draft by the target's rows of the pass; roll its KV back to it."""
+                      verifier: Verifier | None = None, skipped: Sequence[int] = ()) -> Verification:
+        """Accept a prefix of the draft by the target's rows of the pass (`skipped`: rows not computed,
+        see verify_rows); roll its KV back to it."""
         rows = state.sampler.rows(logits, state.committed, draft.tokens)
         verify = verifier or (accept_greedy if state.sampler.params.greedy else accept_sampling)
         if self.recorder is not None:
-            verify = self.recorder.engine_rule(verify, state, logits, self.target)
+            verify = self.recorder.engine_rule(verify, state, logits, self.target, skipped=skipped)
         n_accepted, token = verify(draft.tokens, draft.probs, rows, state.sampler.rng)
         self.target.truncate(state.n + n_accepted)  # keep the last token and the accepted drafts
         return Verification(draft, n_accepted, token, logits)
@@ -431,7 +452,8 @@ class Engine:
         forbidden node is never accepted, and rows under it are never used."""
         if len(draft) and draft.parents is None:
             draft = draft.head(grammar.valid_prefix(np.concatenate([forced, draft.tokens])) - len(forced))
-        return lead_with(forced, draft)
+        draft = lead_with(forced, draft)
+        return replace(draft, certain=grammar.certain(forced)) if len(forced) else draft
 
     def commit(self, state: SpeculativeState, policy: Policy, choice: Choice,
                verification: Verification) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 A name is a catalog name, a file path, `hf:...`, `ollama:...`, `lmstudio:...` or an exported bundle
 directory (models/store.py's `SOURCES` say which file each means), or None for the default model
-(`catalog.DEFAULT_MODEL`); a draft may also be `auto` (an installed model whose vocabulary matches
-the target's). The runtime decides which of a bundle's files load:
+(`catalog.DEFAULT_MODEL`, which comes with its catalog draft unless a draft is named); a draft may
+also be `auto` (an installed model whose vocabulary matches the target's). The runtime decides which
+of a bundle's files load:
 
 * llamacpp: GGUF files through llama.cpp; one sequence per runtime (a target with room for token-tree
   branches when it has a draft), or `n_seq` sequences sharing one context (`serve --parallel`, the
@@ -93,7 +94,11 @@ def model_id(target: Name | None) -> str:
 def choose_draft(target: Name | None, draft: Name | None, *, mode: str | None = None,
                  notify: Callable[[str], None] | None = None) -> Name | None:
     """The draft to load: `auto` becomes the installed model whose vocabulary matches the target's
-    (said through `notify`); with `mode` "draft" and no draft, a catalog target's catalog pair."""
+    (said through `notify`); with no target and no draft, the default model's catalog draft (the
+    default is a pair, whatever the mode, as a bundle brings its own draft); with `mode` "draft" and
+    no draft, a catalog target's catalog pair."""
+    if target is None and draft is None:
+        return catalog.get(DEFAULT_MODEL).draft
     if draft == "auto":
         from edgespec.models.pairs import auto_draft
 
@@ -138,14 +143,14 @@ def resolve_onnx_layers(name: Name) -> Path:
 
 def load_pair(target: Name | None = None, draft: Name | None = None, options: LoadOptions = LoadOptions()):
     """(target runtime, draft runtime or None) for `Engine(target, draft)`. Without a draft, a bundle's
-    own draft in the runtime's format; `auto` as in `choose_draft`."""
+    own draft in the runtime's format, or the default model's pair; `auto` as in `choose_draft`."""
     if options.runtime == "onnx":
         return _onnx_pair(target, draft, options)
     if options.runtime == "coreml":
         return _coreml_pair(target)
     if options.runtime == "mlx":
         return _mlx_pair(target, draft, options)
-    draft = bundles.gguf_draft(target) if draft is None else choose_draft(target, draft)
+    draft = bundles.gguf_draft(target) if draft is None and target is not None else choose_draft(target, draft)
     llama = options.llamacpp()
     # With trees on, the target gets room for their branches (KV cells are shared).
     target_options = replace(llama, n_seq_max=TREE_BRANCHES) if options.trees and draft else llama
@@ -154,9 +159,11 @@ def load_pair(target: Name | None = None, draft: Name | None = None, options: Lo
 
 
 def load_slots(target: Name | None, draft: Name | None, options: LoadOptions, *, n_seq: int):
-    """(target, draft or None) as llama.cpp runtimes holding `n_seq` sequences in one context each."""
+    """(target, draft or None) as llama.cpp runtimes holding `n_seq` sequences in one context each (no
+    target and no draft: the default model with its draft, as in `choose_draft`)."""
     if options.runtime != "llamacpp":
         raise EdgespecError("several sequences per context run on llama.cpp; drop --runtime")
+    draft = choose_draft(target, draft)
     llama = options.llamacpp()
     return open_llamacpp_pair(resolve(target), llama, resolve(draft) if draft else None, llama, n_seq=n_seq)
 
@@ -168,11 +175,15 @@ def load_runtime(name: Name | None, options: LoadOptions = LoadOptions(), *, n_s
     return open_llamacpp(resolve(name), options.llamacpp(), n_seq=n_seq)
 
 
-def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
-    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's)."""
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime
+def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None, mtp: bool = False):
+    """A llama.cpp runtime on a resolved model file, with exactly these LlamaCppOptions (a memory plan's).
+    `mtp`: a target whose GGUF carries NextN layers opens with its MTP head (the `mtp` drafter)."""
+    from edgespec.runtimes.formats import gguf_nextn_layers
+    from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppRuntime
 
     identity = store.model_identity(path)
+    if n_seq is None and mtp and gguf_nextn_layers(path) > 0:
+        return LlamaCppMtpRuntime(path, llama_options, identity=identity)
     if n_seq is None:
         return LlamaCppRuntime(path, llama_options, identity=identity)
     return LlamaCppMultiSeqRuntime(path, llama_options, n_seq=n_seq, identity=identity)
@@ -181,7 +192,7 @@ def open_llamacpp(path: Path, llama_options, *, n_seq: int | None = None):
 def open_llamacpp_pair(target_path: Path, target_options, draft_path: Path | None, draft_options, *,
                        n_seq: int | None = None):
     """(target, draft or None) on resolved files; the target is closed again if the draft fails."""
-    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq)
+    target_rt = open_llamacpp(target_path, target_options, n_seq=n_seq, mtp=True)
     try:
         draft_rt = open_llamacpp(draft_path, draft_options, n_seq=n_seq) if draft_path is not None else None
     except BaseException:

@@ -333,17 +333,21 @@ class AdaptivePolicy:
         e = est.expected_emitted()[: k_cap + 1] + self._forced
         all_pass = np.concatenate([[0.0], np.cumprod(est.rates)])[: k_cap + 1]
         ks = np.arange(k_cap + 1)
-        extra = (self.profile.draft_catchup_s or 0.0) - (self.profile.draft_s or 0.0)
-        cost = self._verify_costs(k_cap) + ks * (self.profile.draft_s or 0.0) + all_pass * max(extra, 0.0)
+        spec = self.specs[name]
+        step_s = spec.step_s(self.profile) or 0.0
+        extra = (spec.catchup_s(self.profile) or 0.0) - step_s
+        cost = self._verify_costs(k_cap) + ks * step_s + all_pass * max(extra, 0.0)
         if unseen > 1:
-            cost = cost + (ks > 0) * self.draft_prefill_s(unseen) * e / max(remaining, 1)
+            cost = cost + (ks > 0) * self.draft_prefill_s(unseen, step_s) * e / max(remaining, 1)
         return e / cost
 
-    def draft_prefill_s(self, n: int) -> float:
-        """The draft model's prefill of n tokens, from its step cost and the target's batching
-        efficiency (a batch of B costs verify(B) where B single steps cost B * verify(1))."""
+    def draft_prefill_s(self, n: int, step_s: float | None = None) -> float:
+        """The draft model's prefill of n tokens, from its step cost (`step_s`, the draft model's by
+        default) and the target's batching efficiency (a batch of B costs verify(B) where B single
+        steps cost B * verify(1))."""
         b = self.profile.max_batch
-        return n * (self.profile.draft_s or 0.0) * self.profile.verify(b) / (b * self.profile.verify(1))
+        step_s = (self.profile.draft_s or 0.0) if step_s is None else step_s
+        return n * step_s * self.profile.verify(b) / (b * self.profile.verify(1))
 
     def choose(self, state: "SpeculativeState") -> Choice:
         k_cap = min(self.k_max, state.remaining - 1)
@@ -376,7 +380,7 @@ class AdaptivePolicy:
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
                 trees = self.max_branches > 1 and self.specs[drafter.name].trees
-                best = Choice(drafter, k, gate=self._gate(float(speeds[k])),
+                best = Choice(drafter, k, gate=self._gate(float(speeds[k]), self.specs[drafter.name].step_s(self.profile)),
                               branch=self._branch(float(speeds[k])) if trees else None,
                               predicted_speed=float(speeds[k]))
         return best if best.drafter is not None else plain
@@ -389,7 +393,7 @@ class AdaptivePolicy:
         return Choice(drafter, k, Draft(proposal.tokens[:k], confidence=None if proposal.confidence is None
                                         else proposal.confidence[:k]), predicted_speed=speed)
 
-    def _gate(self, target_speed: float) -> Gate:
+    def _gate(self, target_speed: float, step_s: float | None = None) -> Gate:
         """PipeSD's dual threshold, with thresholds from the cost model instead of constants.
 
         Drafting one more token costs draft_s plus the growth of the verify pass; it pays only if
@@ -397,7 +401,7 @@ class AdaptivePolicy:
         A token whose own confidence cannot cover its draft cost (tau_token), or a chain whose
         joint confidence cannot cover the next step (tau_chain), ends the draft.
         """
-        draft_s = self.profile.draft_s or 0.0
+        draft_s = (self.profile.draft_s or 0.0) if step_s is None else step_s
         tau_token = target_speed * draft_s
 
         def keep_drafting(n: int, confidence: float, product: float) -> bool:

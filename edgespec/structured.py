@@ -57,7 +57,7 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError("a JSON schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: llguidance emits properties in it
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -114,6 +114,13 @@ def _compile(kind: str, source: str) -> str:
     if is_error:
         raise ConstraintError(f"invalid {kind.replace('_', ' ')}: {_one_line(messages[0])}")
     return grammar
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark rule body matching JSON valid against `schema`, compact as a json_schema constraint's
+    (llguidance's inline `%json`; its `x-guidance` key carries the options)."""
+    options = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
+    return f"%json {json.dumps({**schema, 'x-guidance': options})}"
 
 
 def _one_line(message: str) -> str:
@@ -205,6 +212,22 @@ class Grammar:
             return np.zeros(0, dtype=np.int32)
         tokens = self.matcher.compute_ff_tokens()[:limit]
         return np.asarray(tokens[: self.valid_prefix(np.asarray(tokens))], dtype=np.int32)
+
+    def certain(self, tokens: np.ndarray) -> np.ndarray:
+        """Bool per token of a run the grammar allows from here (its forced tokens): whether the grammar
+        admits that token alone at its position. Its masked distribution is then a point mass whatever
+        the model's row says. Forced tokens often are not certain: llguidance forces bytes, which
+        other token splits may spell too."""
+        out = np.zeros(len(tokens), dtype=bool)
+        taken = 0
+        for i, token in enumerate(int(t) for t in tokens):
+            mask = self._grammar_mask()
+            out[i] = bool(mask[token]) and np.count_nonzero(mask) == 1
+            if token in self._eog_set or not self.matcher.consume_token(token):
+                break
+            taken += 1
+        self.matcher.rollback(taken)
+        return out
 
     def row_masks(self, context: np.ndarray, continuation: np.ndarray, m: int) -> np.ndarray:
         """Bool (m, n_vocab): the masks of the last m positions of context + continuation (row j

@@ -6,7 +6,9 @@ The answer format is one every model can follow, because the grammar holds it to
     {"tool_calls": [{"name": "<a tool's name>", "arguments": {<valid against its parameters>}}, ...]}
 
 With tool_choice "required" or a named function the answer must be that object (one call unless
-parallel_tool_calls); with "auto" it is either that object or plain text not starting with "{". A
+parallel_tool_calls); with "auto" it is either that object or plain text not starting with "{", or,
+with a response_format, either that object or an answer in the response format (OpenAI's semantics:
+the model calls tools or answers in the format; one llguidance grammar holds the choice). A
 template that renders `tools` itself (Qwen, Hermes, Llama 3.1 ...) describes them in its own words;
 in auto mode such a model may answer in its trained format (`<tool_call>{...}</tool_call>`), which
 is read back too. A template that ignores `tools` gets a system note describing them and the format.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgespec.errors import EdgespecError
-from edgespec.structured import Constraint, ConstraintError
+from edgespec.structured import Constraint, ConstraintError, json_rule
 
 
 class ToolError(EdgespecError):
@@ -87,15 +89,18 @@ def calls_schema(tools: list[Tool], parallel: bool) -> dict:
             "additionalProperties": False}
 
 
-def tool_constraint(tools: list[Tool], choice: str | Tool, parallel: bool) -> Constraint:
-    """What the answer must match under this tool_choice."""
+def tool_constraint(tools: list[Tool], choice: str | Tool, parallel: bool, answer: dict | None = None) -> Constraint:
+    """What the answer must match under this tool_choice. `answer`: the JSON schema a response_format
+    asks for (json_object: {"type": "object"}), which an answer that calls no tool must match; a
+    forced call ("required", a named function) leaves no room for it."""
     if isinstance(choice, Tool):
         return Constraint.json_schema(calls_schema([choice], parallel=False))
     schema = calls_schema(tools, parallel)
     if choice == "required":
         return Constraint.json_schema(schema)
-    # auto: the call object, or text whose first character is not "{"
-    return Constraint.lark(f"start: calls | text\ncalls: %json {json.dumps(schema)}\ntext: /[^{{](?s:.*)/\n")
+    # auto: the call object, or an answer: in the response format, else text whose first character is not "{"
+    answer_rule = json_rule(answer) if answer is not None else "/[^{](?s:.*)/"
+    return Constraint.lark(f"start: calls | answer\ncalls: {json_rule(schema)}\nanswer: {answer_rule}\n")
 
 
 def tool_note(tools: list[Tool], choice: str | Tool) -> str:

@@ -47,6 +47,9 @@ class PairModel:
     tied_embeddings: bool
     file_bytes: int          # exact where pairs.json lists it, else parameters x bits per weight
     catalog: str | None = None
+    mtp_heads: int = 0       # NextN (MTP) blocks in the hub file: `--mode mtp` drafts through them
+    unverified: tuple[str, ...] = ()  # fields that are estimates, not read from a source (2026 families)
+    sources: str = ""        # where the architecture numbers come from
 
     @property
     def quant(self) -> str:
@@ -64,6 +67,12 @@ class Pair:
     target: PairModel
     draft: PairModel
     vocab_checked: bool
+    draft_kind: str = "model"  # "assistant": the target's own MTP drafter model (Gemma 4), not run as a draft here
+
+    @property
+    def usable(self) -> bool:
+        """Whether edgespec runs this pair (an assistant drafter needs llama.cpp's shared-KV context)."""
+        return self.draft_kind == "model"
 
     @property
     def name(self) -> str:
@@ -87,9 +96,10 @@ def _load() -> tuple[tuple[Pair, ...], dict[str, PairModel]]:
     for m in raw["models"]:
         quant = m["hub"].rsplit(":", 1)[-1]
         size = m.get("file_bytes") or int(m["parameters"] * bpw[quant] / 8)
-        models[m["name"]] = PairModel(**{k: v for k, v in m.items() if k != "file_bytes"}, file_bytes=int(size))
-    pairs = tuple(Pair(p["family"], models[p["target"]], models[p["draft"]], bool(p["vocab_checked"]))
-                  for p in raw["pairs"])
+        fields = {k: v for k, v in m.items() if k not in ("file_bytes", "unverified")}
+        models[m["name"]] = PairModel(**fields, unverified=tuple(m.get("unverified", ())), file_bytes=int(size))
+    pairs = tuple(Pair(p["family"], models[p["target"]], models[p["draft"]], bool(p["vocab_checked"]),
+                       p.get("draft_kind", "model")) for p in raw["pairs"])
     return pairs, models
 
 
@@ -141,7 +151,7 @@ def expected_memory(pair: Pair) -> dict:
 
 def largest_fitting(budget_bytes: int) -> Pair | None:
     """The pair with the largest expected memory that stays within `budget_bytes`."""
-    fitting = [p for p in pairs() if p.expected_bytes() <= budget_bytes]
+    fitting = [p for p in pairs() if p.usable and p.expected_bytes() <= budget_bytes]
     return max(fitting, key=Pair.expected_bytes, default=None)
 
 
@@ -159,10 +169,10 @@ def _model_key(name: str) -> str:
 def recommended_for(target: str) -> Pair | None:
     """The pair whose target this name or path looks like (by model name, else by family); None if none."""
     text = _norm(str(target))
-    for p in pairs():
+    for p in (p for p in pairs() if p.usable):
         if _model_key(p.target.name) in text or (p.target.catalog and p.target.catalog == str(target)):
             return p
-    for p in sorted(pairs(), key=lambda p: -len(p.family)):  # qwen2.5-coder before qwen2.5
+    for p in sorted((p for p in pairs() if p.usable), key=lambda p: -len(p.family)):  # qwen2.5-coder before qwen2.5
         family = _norm(p.family)
         is_draft = _model_key(p.draft.name) in text or p.draft.catalog == str(target)
         if not is_draft and (family in text or family.replace("-", "") in text.replace("-", "")):

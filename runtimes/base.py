@@ -171,7 +171,33 @@ class GrammarVocabulary(Protocol):
         """An `llguidance.LLTokenizer` (built on first use, then kept: about 1 s for 150k tokens)."""
 
 
-OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences, GrammarVocabulary)
+class SelectedRows(Protocol):
+    """A pass that computes only the logits rows asked for, not the last n of them: a row no one
+    reads (a constraint's certain token, edgespec.engine) costs its KV but no output projection."""
+
+    def decode_rows(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """Append `tokens`; return float32 logits of tokens[rows] (increasing indices into `tokens`),
+        shape (len(rows), n_vocab)."""
+
+
+class NextTokenHeads(Protocol):
+    """The model's own multi-token-prediction (MTP / NextN) head, run as a drafter (edgespec.drafters.mtp).
+
+    The head reads the target's hidden state at position p - 1 with token p and predicts token p + 1;
+    its own KV holds one cell per position. The runtime keeps the hidden rows of what it evaluated."""
+
+    n_next_token_heads: int  # NextN layers in the model (> 0)
+
+    def hidden_rows(self, start: int, stop: int) -> np.ndarray:
+        """(stop - start, n_embd) float32: the hidden states the head reads for positions start..stop-1
+        (zeros where the target has none: a tree pass, a restored state, position -1)."""
+
+    def next_token_head(self):
+        """The head's own context: `tokens`, `truncate(n)`, `decode(tokens, hidden, n_logits) -> (logits, hidden)`."""
+
+
+OPTIONAL_PROTOCOLS: tuple[type, ...] = (TreeDecoding, ModelIdentity, SavedState, SeveralSequences, GrammarVocabulary,
+                                        SelectedRows, NextTokenHeads)
 
 
 class NotOffered:

@@ -67,3 +67,47 @@ def sha256_file(path: str | os.PathLike) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+# --- GGUF metadata read without a load: whether a model carries NextN (MTP) layers ---------------
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type id -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_nextn_layers(path: str | os.PathLike) -> int:
+    """`{arch}.nextn_predict_layers` of a GGUF (0 when absent or unreadable): the NextN (MTP) blocks
+    the model carries, which `--mode mtp` drafts through. Scans the header's key/values only (the
+    tokenizer arrays are skipped, not parsed), so it is cheap on any model size."""
+    import struct
+
+    def skip(f, vtype: int) -> None:
+        if vtype == _GGUF_STRING:
+            (n,) = struct.unpack("<Q", f.read(8))
+            f.seek(n, 1)
+        elif vtype == _GGUF_ARRAY:
+            etype, count = struct.unpack("<IQ", f.read(12))
+            if etype in _GGUF_SCALARS:
+                f.seek(_GGUF_SCALARS[etype] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(f, etype)
+        else:
+            f.seek(_GGUF_SCALARS[vtype], 1)
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return 0
+            _version, _n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+            for _ in range(n_kv):
+                (n,) = struct.unpack("<Q", f.read(8))
+                key = f.read(n).decode("utf-8", "replace")
+                (vtype,) = struct.unpack("<I", f.read(4))
+                if key.endswith(".nextn_predict_layers") and vtype in _GGUF_SCALARS:
+                    raw = f.read(_GGUF_SCALARS[vtype])
+                    return int.from_bytes(raw, "little", signed=vtype in (1, 3, 5, 11))
+                skip(f, vtype)
+    except (OSError, struct.error, KeyError):
+        return 0
+    return 0

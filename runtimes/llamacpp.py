@@ -23,7 +23,8 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NotOffered, SavedState, SeveralSequences, Sizing,
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NextTokenHeads, NotOffered, SavedState,
+                                    SelectedRows, SeveralSequences, Sizing,
                                      TokenSequence, TreeDecoding, VocabInfo)
 from edgespec.runtimes.identity import file_identity
 
@@ -188,6 +189,7 @@ class LlamaCppOptions:
     offload_kqv: bool = True   # keep the KV cache on the GPU when layers are offloaded
     use_mmap: bool = True
     extra_buffers: bool = True  # llama.cpp's repacked CPU weight layouts (faster matmuls); see README on AMX
+    load_mtp: bool = False     # also load the model's NextN (MTP) layers (LlamaCppMtpRuntime sets it)
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -337,7 +339,7 @@ class LlamaCppRuntime(TokenSequence):
     """A GGUF model and one KV sequence in llama.cpp. Implements `edgespec.runtimes.base.Runtime`."""
 
     name = "llama.cpp"
-    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary})
+    capabilities = frozenset({TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary, SelectedRows})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
                  identity: dict | None = None):
@@ -356,6 +358,7 @@ class LlamaCppRuntime(TokenSequence):
         mparams.n_gpu_layers = options.n_gpu_layers if options.n_gpu_layers >= 0 else 0x7FFFFFFF
         mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP if options.use_mmap else ll.LLAMA_LOAD_MODE_NONE
         mparams.use_extra_bufts = options.extra_buffers
+        mparams.load_mtp = options.load_mtp
         if options.devices is not None:
             # NULL-terminated; empty keeps every op on the CPU (n_gpu_layers=0 alone still lets llama.cpp
             # run large-batch matmuls on a GPU and reserve a compute buffer there)
@@ -484,7 +487,19 @@ class LlamaCppRuntime(TokenSequence):
     def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
         """Append tokens to the sequence; return logits of the last `n_logits` (a fresh array)."""
         ids = self._check_append(tokens, n_logits)
-        n = len(ids)
+        return self._decode(ids, np.arange(len(ids) - n_logits, len(ids)))
+
+    def decode_rows(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """Append tokens; return logits of tokens[rows] only: llama.cpp computes the output rows of
+        the tokens flagged in the batch, nothing for the others."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        ids = self._check_append(tokens, len(rows))
+        if len(rows) and (rows[0] < 0 or rows[-1] >= len(ids) or (np.diff(rows) <= 0).any()):
+            raise ValueError(f"rows must be increasing indices into the {len(ids)} tokens, got {rows.tolist()}")
+        return self._decode(ids, rows)
+
+    def _decode(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        n, n_logits = len(ids), len(rows)
         if not self._ctx:  # closed (a memory guard dropped this draft model): fail clearly, never in C
             raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         rows_max = self.options.n_outputs_max
@@ -492,14 +507,15 @@ class LlamaCppRuntime(TokenSequence):
             raise EdgespecError(f"{n_logits} logits rows asked of a context sized for {rows_max} (the memory "
                                 f"plan's draft length + 1); draft at most {rows_max - 1} tokens or re-plan")
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
-        first_logit = n - n_logits
+        out_row = np.full(n, -1, dtype=np.int64)  # each token's row in `out`; -1 = no logits
+        out_row[rows] = np.arange(n_logits)
         for start in range(0, n, self.n_batch):
             chunk = ids[start:start + self.n_batch]
             m = len(chunk)
             self._batch.n_tokens = m
             self._batch_token[:m] = chunk
             self._batch_pos[:m] = np.arange(self._n_past, self._n_past + m, dtype=np.int32)
-            wanted = np.arange(start, start + m) >= first_logit
+            wanted = out_row[start:start + m] >= 0
             self._batch_logits[:m] = wanted
             rc = ll.llama_decode(self._ctx, self._batch)
             self.n_decode_calls += 1
@@ -512,7 +528,7 @@ class LlamaCppRuntime(TokenSequence):
             self._n_past += m
             for i in np.flatnonzero(wanted):
                 row = ll.llama_get_logits_ith(self._ctx, int(i))
-                out[start + i - first_logit] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
+                out[out_row[start + i]] = np.ctypeslib.as_array(row, shape=(self.n_vocab,))
         self._max_logit_rows = max(self._max_logit_rows, n_logits)
         return out
 
@@ -763,7 +779,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
 
     # The one-sequence API does not apply (trees and saved state included): each call must say which
     # sequence it means.
-    decode = truncate = save_state = load_state = decode_tree = keep_tree_path = n_past = tokens = NotOffered(
+    decode = decode_rows = truncate = save_state = load_state = decode_tree = keep_tree_path = n_past = tokens = NotOffered(
         "LlamaCppMultiSeqRuntime holds several sequences: use decode_batch / seq_truncate")  # type: ignore[assignment]
 
     def _check_seq(self, seq: int) -> None:
@@ -970,3 +986,199 @@ class LlamaCppSequence:
 
     def close(self) -> None:
         pass  # the owner closes the context
+
+
+# -- the model's own MTP (NextN) head as a drafter --------------------------------------------------
+#
+# llama.cpp runs a NextN head in a second context of the same model (ctx_type = LLAMA_CONTEXT_TYPE_MTP,
+# ctx_other = the target's context; its KV holds only the NextN layers). The target context outputs the
+# hidden state each NextN block reads ("embeddings nextn"); the head's batch pairs token p with the
+# target's hidden row p - 1 (common/speculative.cpp, draft-mtp). The calls that switch those outputs on
+# are llama.cpp's staging API (src/llama-ext.h): exported C++ symbols, bound here by their mangled names.
+
+def _staging(mangled: str, argtypes: list, restype):
+    """A staging-API function by its Itanium-mangled name (Linux, macOS); None where the library lacks it."""
+    try:
+        fn = getattr(ll.llama_cpp._lib, mangled)
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+_set_embeddings_nextn = _staging("_Z26llama_set_embeddings_nextnP13llama_contextbb",
+                                 [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None)
+_get_embeddings_nextn_ith = _staging("_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+                                     [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float))
+
+
+class LlamaCppMtpRuntime(LlamaCppRuntime):
+    """A GGUF with NextN (MTP) layers: the target, keeping the hidden rows its NextN head drafts from.
+
+    Every evaluated position's row is kept (n_ctx x n_embd float32 beside the KV), so the head can catch
+    up on the committed text whenever it is next asked, whatever evaluated it. A tree pass or a restored
+    state leaves no rows (the head then reads zeros there: worse drafts, never a wrong output)."""
+
+    capabilities = LlamaCppRuntime.capabilities | {NextTokenHeads}
+
+    def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *,
+                 identity: dict | None = None):
+        if _set_embeddings_nextn is None or _get_embeddings_nextn_ith is None:
+            raise EdgespecError("this llama.cpp build does not export the MTP staging API "
+                                "(llama_set_embeddings_nextn); --mode mtp needs llama-cpp-python >= 0.3.36 on Linux or macOS")
+        super().__init__(path, replace(options, load_mtp=True), identity=identity)
+        self.n_next_token_heads = int(ll.llama_model_n_layer_nextn(self._model))
+        if self.n_next_token_heads <= 0:
+            self.close()
+            raise EdgespecError(f"{self.path.name} has no MTP (NextN) layers; --mode mtp needs a model that has them")
+        self.n_embd = int(ll.llama_model_n_embd(self._model))
+        _set_embeddings_nextn(self._ctx, True, False)  # a hidden row for every evaluated token
+        self._hidden = np.zeros((self.n_ctx, self.n_embd), dtype=np.float32)
+        self._hidden_ok = np.zeros(self.n_ctx, dtype=bool)
+        self._head: LlamaCppMtpHead | None = None
+
+    def decode(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
+        """As LlamaCppRuntime.decode, one batch at a time so each batch's hidden rows are kept."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        n = len(ids)
+        if n <= self.n_batch:
+            return self._decode_keeping_rows(ids, n_logits)
+        parts = []
+        for start in range(0, n, self.n_batch):
+            chunk = ids[start:start + self.n_batch]
+            wanted = max(0, min(len(chunk), start + len(chunk) - (n - n_logits)))
+            parts.append(self._decode_keeping_rows(chunk, wanted))
+        return np.concatenate(parts) if parts else np.empty((0, self.n_vocab), dtype=np.float32)
+
+    def decode_rows(self, tokens: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """As LlamaCppRuntime.decode_rows (a constraint's certain tokens), keeping the hidden rows of a
+        pass that fits one batch (a longer one leaves none: the head reads zeros there)."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        start = self._n_past
+        out = super().decode_rows(ids, rows)
+        if len(ids) <= self.n_batch:
+            self._keep_hidden_rows(start, len(ids))
+        else:
+            self._hidden_ok[start:start + len(ids)] = False
+        return out
+
+    def _decode_keeping_rows(self, ids: np.ndarray, n_logits: int) -> np.ndarray:
+        start = self._n_past
+        out = super().decode(ids, n_logits)
+        self._keep_hidden_rows(start, len(ids))
+        return out
+
+    def _keep_hidden_rows(self, start: int, n: int) -> None:
+        """Copy the last batch's n hidden rows (one per token) into positions start..start+n-1."""
+        for i in range(n):
+            self._hidden[start + i] = np.ctypeslib.as_array(_get_embeddings_nextn_ith(self._ctx, i),
+                                                            shape=(self.n_embd,))
+        self._hidden_ok[start:start + n] = True
+
+    def decode_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        self._hidden_ok[self._n_past:] = False  # tree rows are nodes, not positions
+        return super().decode_tree(tokens, parents)
+
+    def load_state(self, blob: bytes, tokens: Sequence[int]) -> None:
+        super().load_state(blob, tokens)
+        self._hidden_ok[:] = False
+
+    def hidden_rows(self, start: int, stop: int) -> np.ndarray:
+        rows = np.zeros((max(0, stop - start), self.n_embd), dtype=np.float32)
+        lo, hi = max(start, 0), min(stop, self.n_past)
+        if hi > lo:
+            ok = self._hidden_ok[lo:hi]
+            rows[lo - start:hi - start][ok] = self._hidden[lo:hi][ok]
+        return rows
+
+    def memory(self) -> MemoryReport:
+        """The target's, plus the hidden rows the head reads (n_ctx x n_embd float32). The head's own KV (one
+        NextN layer) and compute buffers are llama.cpp's, allocated when the head is first asked."""
+        report = super().memory()
+        report.other["mtp_hidden_rows"] = int(self._hidden.nbytes)
+        return report
+
+    def next_token_head(self) -> "LlamaCppMtpHead":
+        if self._head is None:
+            self._head = LlamaCppMtpHead(self)
+        return self._head
+
+    def close(self) -> None:
+        if getattr(self, "_head", None) is not None:
+            self._head.close()
+            self._head = None
+        super().close()
+
+
+class LlamaCppMtpHead:
+    """The NextN head's own llama.cpp context (one sequence): cell p holds token p read with hidden row p - 1."""
+
+    def __init__(self, owner: LlamaCppMtpRuntime):
+        self.owner = owner
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = owner.n_ctx
+        cparams.n_batch = owner.n_batch
+        cparams.n_ubatch = owner.n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = owner.n_threads
+        cparams.n_threads_batch = owner.options.n_threads_batch or owner.n_threads
+        cparams.no_perf = True
+        cparams.ctx_type = ll.LLAMA_CONTEXT_TYPE_MTP
+        cparams.ctx_other = owner._ctx
+        cparams.n_rs_seq = 0
+        self._ctx = ll.llama_init_from_model(owner._model, cparams)
+        if not self._ctx:
+            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
+            raise EdgespecError(f"llama.cpp could not create the MTP context of {owner.path.name}{detail}")
+        _set_embeddings_nextn(self._ctx, True, True)  # the head's own hidden row where logits are asked
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._batch = ll.llama_batch_ext_init(self._ctx)
+        self.tokens = np.zeros(0, dtype=np.int32)
+        self.n_decode_calls = 0
+
+    def truncate(self, n: int) -> None:
+        if n < len(self.tokens):
+            ll.llama_memory_seq_rm(self._mem, 0, n, -1)
+            self.tokens = self.tokens[:n]
+
+    def decode(self, tokens: Sequence[int], hidden: np.ndarray, n_logits: int) -> tuple[np.ndarray, np.ndarray]:
+        """Append tokens (each read with its row of `hidden`); logits and the head's hidden rows of the last n_logits."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        rows = np.ascontiguousarray(hidden, dtype=np.float32)
+        n, n_embd, n_vocab = len(ids), self.owner.n_embd, self.owner.n_vocab
+        if 0 < n_logits < n:
+            # The MTP graphs write their hidden rows densely from the batch's first token, not by output
+            # (glm4-moe: a 24-token batch's last "row" came back as its first): outputs get a batch of their own.
+            self.decode(ids[:n - n_logits], rows[:n - n_logits], 0)
+            return self.decode(ids[n - n_logits:], rows[n - n_logits:], n_logits)
+        if n > self.owner.n_batch or len(self.tokens) + n > self.owner.n_ctx:
+            raise ContextOverflowError(f"{n} tokens do not fit the MTP head's context")
+        pos0 = len(self.tokens)
+        ll.llama_batch_ext_clear(self._batch)
+        for i in range(n):
+            idx = ll.llama_batch_ext_add_token(self._batch, 0, int(ids[i]))
+            ll.llama_batch_ext_set_pos(self._batch, idx, (ctypes.c_int32 * 4)(pos0 + i, 0, 0, 0))
+            embd = ll.llama_embd(rows[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, n_embd)
+            ll.llama_batch_ext_set_embd_token(self._batch, idx, embd)
+            if i >= n - n_logits:
+                ll.llama_batch_ext_set_output_logits(self._batch, idx, True)
+        rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        self.n_decode_calls += 1
+        if rc != 0:
+            ll.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+            raise EdgespecError(f"the MTP head's llama_process failed with code {rc} at position {pos0}")
+        self.tokens = np.concatenate([self.tokens, ids])
+        logits = np.empty((n_logits, n_vocab), dtype=np.float32)
+        out_hidden = np.empty((n_logits, n_embd), dtype=np.float32)
+        for j, i in enumerate(range(n - n_logits, n)):
+            logits[j] = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i), shape=(n_vocab,))
+            out_hidden[j] = np.ctypeslib.as_array(_get_embeddings_nextn_ith(self._ctx, i), shape=(n_embd,))
+        return logits, out_hidden
+
+    def close(self) -> None:
+        if self._batch is not None:
+            ll.llama_batch_ext_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            ll.llama_free(self._ctx)
+            self._ctx = None

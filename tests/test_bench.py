@@ -63,6 +63,63 @@ def test_bench_quick_smollm2(tmp_path, smollm2_path):
         assert (tmp_path / "tok_s_vs_k.png").stat().st_size > 0
 
 
+def test_structured_bench_validity_accounting():
+    """bench/structured_bench.py's check of one answer: schema-valid JSON, tool calls (OpenAI's fields, or
+    text in edgespec's object or the model's <tool_call> format) naming a request's tool with valid
+    arguments; a truncated answer is never valid."""
+    from edgespec.bench.structured_bench import check_output, load_requests
+
+    extraction, tool, conversation = load_requests(limit=1)
+    assert (extraction.kind, tool.kind, conversation.kind) == ("extraction", "tool_choice", "multi_step")
+    assert 3 <= len(tool.tools) <= 8 and any(m.get("tool_calls") for m in conversation.messages)
+    assert "response_format" in extraction.body("m", True) and "response_format" not in extraction.body("m", False)
+    assert tool.body("m", True)["tool_choice"] == "required" and "tools" not in tool.body("m", False)
+
+    def call(name, **arguments):
+        return {"content": None, "tool_calls": [{"function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+    good = call("get_weather", city="Reykjavik", unit="celsius")
+    assert check_output(tool, good, "tool_calls") == {"valid": True, "truncated": False, "right_tool": True, "why": ""}
+    assert not check_output(tool, good, "length")["valid"]  # cut at max_tokens: never valid
+    assert "kelvin" in check_output(tool, call("get_weather", city="X", unit="kelvin"), "tool_calls")["why"]
+    assert "unknown tool" in check_output(tool, call("book_hotel", city="X"), "tool_calls")["why"]
+    native = {"content": '<tool_call>{"name": "get_stock_price", "arguments": {"ticker": "ASML"}}</tool_call>'}
+    assert check_output(tool, native, "stop") == {"valid": True, "truncated": False, "right_tool": False, "why": ""}
+    assert check_output(tool, {"content": "It is sunny."}, "stop")["why"] == "no tool call"
+    answer = {key: "x" for key in extraction.schema["properties"]}
+    assert "schema" in check_output(extraction, {"content": json.dumps(answer)}, "stop")["why"]
+    assert check_output(extraction, {"content": '{"invoice_number": "INV'}, "length")["truncated"]
+
+
+def test_structured_bench_smoke_counts_every_output(tmp_path, smollm2_path):
+    """The structured bench's smoke mode on SmolLM2 (edgespec's three systems, one request per workload,
+    48 tokens): every output is counted once, as valid, invalid or truncated, and every constrained
+    output that ended by itself is valid against its schema or tools."""
+    from edgespec.bench import structured_bench
+
+    out = tmp_path / "structured.md"
+    assert structured_bench.main(["--smoke", "--no-llama-server", "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    runs = doc["runs"]
+    systems = doc["summary"]["smollm2"]["systems"]
+    assert set(systems) == {"edgespec ar", "edgespec auto", "edgespec ar unconstrained"}
+    assert {r["kind"] for r in runs} == {"extraction", "tool_choice", "multi_step"}
+    assert all(r["error"] is None and r["tok_s"] and r["tokens"] > 0 for r in runs), runs
+    for name, row in systems.items():
+        mine = [r for r in runs if r["system"] == name]
+        assert row["runs"] == len(mine) == 3
+        assert row["valid"] == sum(r["valid"] for r in mine) and row["truncated"] == sum(r["truncated"] for r in mine)
+        assert row["valid_share"] == pytest.approx(row["valid"] / row["runs"])
+        assert not any(r["valid"] and r["truncated"] for r in mine)
+    constrained = [r for r in runs if r["system"] != "edgespec ar unconstrained"]
+    assert all(r["valid"] for r in constrained if not r["truncated"]), constrained
+    assert all(r["forced_accepted"] > 0 for r in constrained)  # key names and punctuation the grammar forces
+    assert systems["edgespec ar"]["forced_share"] > 0 and systems["edgespec ar unconstrained"]["forced_share"] == 0
+    claims = {g["claim"] for g in doc["goals"]}
+    assert any(c.startswith("mask cost") for c in claims) and any(c.startswith("100 %") for c in claims)
+    assert "## Goals (issue 22, item 5)" in out.read_text()
+
+
 @pytest.mark.slow
 def test_race_runs_every_workload_group(tmp_path, smollm2_path):
     """The race harness (bench/race.py) on two items per workload group: every edgespec system reports

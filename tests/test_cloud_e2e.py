@@ -11,6 +11,7 @@ get alone; the CLI works and fails cleanly.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -338,3 +339,13 @@ def test_cli_generate_with_a_verifier(tiny_models, tiny_server):
 
     bad_url = cli(*common, "--verifier", "ftp://example", "--api-key", API_KEY)
     assert bad_url.returncode == 2 and "URL" in bad_url.stderr
+
+    # a constraint travels to the verifier, which masks its rows by it (tests/test_structured.py checks exactness)
+    regex = cli(*common[:4], "-n", "24", *common[6:], "--verifier", tiny_server.url, "--api-key", API_KEY, "--json",
+                "--regex", "(hel+o )+[a-z]{1,6}\\.")
+    assert regex.returncode == 0, regex.stderr
+    out = json.loads(regex.stdout)
+    assert out["stats"]["offline_tokens"] == 0 and re.fullmatch(r"(hel+o )+[a-z]{0,6}\.?", out["text"]), out["text"]
+    unsatisfiable = cli(*common, "--verifier", tiny_server.url, "--api-key", API_KEY, "--regex", r"[^\s\S]")
+    assert unsatisfiable.returncode == 2 and unsatisfiable.stderr.strip().count("\n") == 0
+    assert "admits no output" in unsatisfiable.stderr

@@ -11,6 +11,7 @@ from edgespec.drafters import table as drafter_table
 from edgespec.drafters.table import DRAFTERS, build_drafters, spec_for
 from edgespec.drafters import Draft, DrafterKind, DrafterSpec, DraftSources
 from edgespec.errors import EdgespecError
+from edgespec.runtimes.base import NextTokenHeads
 from edgespec.policy import DEFAULT_DRAFT_MAX, MODES, NO_DRAFT, AdaptivePolicy, resolve_mode
 from edgespec.machine.profile import CostProfile
 from edgespec.sampling import Sampler, SamplingParams
@@ -30,7 +31,9 @@ def test_every_row_is_a_mode_with_a_default_k():
 
 def test_built_drafters_carry_their_rows_name():
     draft_model = SimpleNamespace(tokens=np.zeros(0, dtype=np.int32))  # stands in for a runtime
-    built = build_drafters(DraftSources(draft=draft_model, history=SuffixHistory()))
+    head = SimpleNamespace(tokens=np.zeros(0, dtype=np.int32))
+    target = SimpleNamespace(capabilities={NextTokenHeads}, next_token_head=lambda: head)  # a model with an MTP head
+    built = build_drafters(DraftSources(draft=draft_model, target=target, history=SuffixHistory()))
     assert list(built) == [spec.name for spec in DRAFTERS]
     assert all(drafter.name == name for name, drafter in built.items())
 
@@ -40,7 +43,7 @@ def test_a_drafter_the_models_do_not_allow_is_not_offered():
     models = [spec.name for spec in DRAFTERS if spec.kind is DrafterKind.MODEL]
     assert models and not set(models) & set(built)
     for name in models:
-        with pytest.raises(EdgespecError, match="needs a draft model"):
+        with pytest.raises(EdgespecError, match="needs a draft model" if name == "draft" else "needs a model with MTP"):
             resolve_mode(name, built)
     assert all(resolve_mode(name, built) == name for name in built)
 

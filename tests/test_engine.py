@@ -19,11 +19,31 @@ def engine(smollm2_path, smollm2_draft):
     e.close()
 
 
-def test_load_by_catalog_name_defaults_to_the_embedded_model(smollm2_path):
-    with Engine.load(n_ctx=512, n_threads=2) as e:
-        assert e.target.path == smollm2_path
+def test_load_by_catalog_name(smollm2_path):
+    with Engine.load("smollm2-135m", n_ctx=512, n_threads=2) as e:
+        assert e.target.path == smollm2_path and e.draft_runtime is None  # SmolLM2 has no catalog draft
         result = e.generate("Hi!", max_tokens=4, **GREEDY)
     assert 0 < len(result.tokens) <= 4
+
+
+def test_the_default_model_comes_with_its_catalog_draft(monkeypatch):
+    """No model named: the catalog's default target and its draft (a real pair); a named target or draft is
+    taken as named. Checked on the names the loader opens, without loading 1.6 GB."""
+    from edgespec import loader
+    from edgespec.models import catalog, store
+
+    opened = []
+    monkeypatch.setattr(store, "resolve", lambda name, pull_if_missing=True: str(name))
+    monkeypatch.setattr(loader, "open_llamacpp_pair", lambda t, _to, d, _do, n_seq=None: opened.append((t, d)))
+    default = catalog.get(catalog.DEFAULT_MODEL)
+    assert default.draft is not None
+    loader.load_pair()
+    loader.load_slots(None, None, loader.LoadOptions(), n_seq=2)
+    loader.load_pair(None, "smollm2-135m")
+    loader.load_pair("smollm2-135m")
+    assert opened == [(default.name, default.draft)] * 2 + [(default.name, "smollm2-135m"), ("smollm2-135m", None)]
+    assert loader.choose_draft(None, None, mode="ar") == default.draft  # the default is a pair in every mode
+    assert loader.model_id(None) == default.name
 
 
 def test_stream_pieces_make_up_the_text(engine):

@@ -27,7 +27,9 @@ def test_the_catalog_is_consistent():
         for m in (p.target, p.draft):
             ref = hub.parse(m.hub)  # a valid hf: name with a quant
             assert ref.quant and ref.repo.endswith("-GGUF"), m.hub
-            assert m.n_embd == m.n_head * m.head_dim or m.arch in ("qwen3", "gemma3"), m.name
+            # head size given explicitly, not width / heads: Qwen3, Gemma 3, Qwen3.5, Gemma 4 (and its assistant)
+            assert m.n_embd == m.n_head * m.head_dim or m.arch in ("qwen3", "gemma3", "qwen35", "gemma4",
+                                                                   "gemma4-assistant"), m.name
         assert p.draft.file_bytes < p.target.file_bytes * pairs.MAX_DRAFT_SHARE, p.name
         # llama.cpp's rule (common/speculative.cpp): vocabulary sizes at most 128 apart
         assert abs(p.target.n_vocab - p.draft.n_vocab) <= 128, p.name
@@ -128,3 +130,22 @@ def test_generate_with_draft_auto_says_which(lmstudio):
     failed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert failed.returncode == 2 and failed.stderr.strip().startswith("error: --draft auto found no draft")
     assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+
+
+def test_the_2026_families_are_listed_with_hub_sources_and_planner_memory():
+    """Qwen3.5 (with its MTP head), LFM2 and Gemma 4 with its assistant (issue 26). They cannot be
+    downloaded here: this checks the entries' structure, not the files."""
+    by_family = {p.family: p for p in pairs.pairs()}
+    assert {"qwen3.5", "lfm2", "gemma-4"} <= set(by_family)
+    for family in ("qwen3.5", "lfm2", "gemma-4"):
+        p = by_family[family]
+        for m in (p.target, p.draft):
+            assert hub.parse(m.hub).quant and m.sources, m.name
+            assert set(m.unverified) <= {f.name for f in dataclasses.fields(m)}, m.name
+        assert 0 < p.expected_bytes() < 8 * 2**30  # small sizes: a laptop's memory
+    assert by_family["qwen3.5"].target.mtp_heads == 1  # the hub file keeps the NextN head (--mode mtp)
+    gemma = by_family["gemma-4"]
+    assert gemma.draft_kind == "assistant" and not gemma.usable  # listed, never recommended nor run as a draft
+    assert gemma not in [pairs.largest_fitting(n * 2**30) for n in (4, 8, 16, 64)]
+    assert pairs.recommended_for("gemma-4-e4b-it") is not gemma
+    assert by_family["lfm2"].usable and by_family["qwen3.5"].usable

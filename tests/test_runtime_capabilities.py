@@ -9,8 +9,8 @@ import pytest
 
 from conftest import load_runtime
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.base import (OPTIONAL_PROTOCOLS, GrammarVocabulary, ModelIdentity, NotOffered, Runtime, SavedState,
-                                    SeveralSequences, Sizing, TreeDecoding)
+from edgespec.runtimes.base import (OPTIONAL_PROTOCOLS, GrammarVocabulary, ModelIdentity, NextTokenHeads, NotOffered, Runtime,
+                                    SavedState, SelectedRows, SeveralSequences, Sizing, TreeDecoding)
 
 
 def protocol_members(protocol: type, *, inherited: bool, attributes: bool) -> set[str]:
@@ -55,12 +55,12 @@ def declaration_mismatches(obj) -> list[str]:
 def runtime_classes() -> list[type]:
     from edgespec.exporters.coreml_reference import TorchReferenceRuntime
     from edgespec.runtimes.coreml import CoreMLRuntime
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
+    from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
     from edgespec.runtimes.mlx import MlxRuntime
     from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime
     from edgespec.runtimes.onnxrt import OnnxRuntime
 
-    return [LlamaCppRuntime, LlamaCppMultiSeqRuntime, LlamaCppSequence, OnnxRuntime, LayeredOnnxRuntime,
+    return [LlamaCppRuntime, LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppSequence, OnnxRuntime, LayeredOnnxRuntime,
             CoreMLRuntime, TorchReferenceRuntime, MlxRuntime]
 
 
@@ -72,6 +72,8 @@ def test_the_protocols_name_their_members():
         "save_state", "load_state", "path", "compatibility_key"}
     assert {"n_seq", "decode_batch", "sequence", "seq_truncate"} <= protocol_members(
         SeveralSequences, inherited=True, attributes=True)
+    assert protocol_members(NextTokenHeads, inherited=True, attributes=True) == {
+        "n_next_token_heads", "hidden_rows", "next_token_head"}
 
 
 @pytest.mark.parametrize("cls", runtime_classes(), ids=lambda c: c.__name__)
@@ -91,7 +93,7 @@ def test_llama_cpp_runtimes_declare_what_they_have(tiny_pair):
         for rt in (single, multi, seq):
             assert declaration_mismatches(rt) == [], type(rt).__name__
         assert isinstance(single, Runtime) and isinstance(seq, Runtime)
-        assert single.capabilities == {TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary}
+        assert single.capabilities == {TreeDecoding, ModelIdentity, SavedState, GrammarVocabulary, SelectedRows}
         assert multi.capabilities == {SeveralSequences, ModelIdentity, GrammarVocabulary}
         assert seq.capabilities == {ModelIdentity, SavedState, GrammarVocabulary}
         # the sizing facts are the options the runtime was made with; a slot gets its share of rows
@@ -102,6 +104,27 @@ def test_llama_cpp_runtimes_declare_what_they_have(tiny_pair):
     finally:
         single.close()
         multi.close()
+
+
+def test_selected_rows_are_the_rows_decode_gives(tiny_pair):
+    """decode_rows computes only the rows asked for, and they are decode's rows, bit for bit."""
+    import numpy as np
+
+    rt = load_runtime(tiny_pair["target"], n_threads=1)
+    try:
+        prompt, tokens = [295, 104, 101], [108, 108, 111, 32, 104]
+        rt.decode(prompt, 0)
+        every = rt.decode(tokens, len(tokens))
+        rt.truncate(len(prompt))
+        some = rt.decode_rows(tokens, [0, 2, 4])
+        assert rt.n_past == len(prompt) + len(tokens) and rt.tokens.tolist() == prompt + tokens
+        assert np.array_equal(some, every[[0, 2, 4]])
+        rt.truncate(len(prompt))
+        assert rt.decode_rows(tokens, []).shape == (0, rt.vocab.n_vocab) and rt.n_past == len(prompt) + len(tokens)
+        with pytest.raises(ValueError, match="increasing"):
+            rt.decode_rows([1, 2], [1, 0])
+    finally:
+        rt.close()
 
 
 def test_saved_state_is_refused_for_a_runtime_that_does_not_declare_it(tiny_pair, tmp_path):

@@ -13,6 +13,7 @@ token and accepts drafts by the unmasked rows (what engines do when the grammar 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
@@ -87,6 +88,20 @@ def test_an_unsatisfiable_constraint_is_refused_before_generating(tiny_engine):
                                                              constraint=Constraint.regex(r"[^\s\S]")))
 
 
+def test_the_server_checks_a_constraint_before_the_request_queues(tiny_engine):
+    """The server builds the grammar over the model's vocabulary before queueing (a stream's status line
+    goes out first): a constraint whose first mask is empty is a 400, not an error inside a 200 stream."""
+    from types import SimpleNamespace
+
+    from edgespec.serve.server import _Service
+
+    service = SimpleNamespace(engine=tiny_engine)
+    with pytest.raises(ConstraintError, match="admits no output"):
+        _Service.check_satisfiable(service, Constraint.regex(r"[^\s\S]"))
+    _Service.check_satisfiable(service, CONSTRAINTS["schema"])
+    _Service.check_satisfiable(service, None)
+
+
 def test_masks_follow_the_grammar_position_by_position(tiny_engine):
     """row_masks over a continuation equals walking the grammar one token at a time, and leaves the
     matcher where it was."""
@@ -127,6 +142,59 @@ def test_forced_tokens_are_drafted_and_counted_apart(tiny_engine):
     plain = tiny_engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=48, temperature=0, mode="ar",
                                                                  constraint=CONSTRAINTS["schema"])).stats
     assert plain.rounds < plain.generated  # plain decoding emits the forced runs in fewer passes too
+
+
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_full_name_as_written": {"type": "string", "enum": ["alpha", "beta"]},
+    "number_of_items_in_the_order": {"type": "integer", "minimum": 0, "maximum": 9},
+    "delivery_is_requested_before_noon": {"type": "boolean"}},
+    "required": ["customer_full_name_as_written", "number_of_items_in_the_order", "delivery_is_requested_before_noon"],
+    "additionalProperties": False}
+
+
+class AllRows:
+    """The same runtime, not offering SelectedRows: every row of every pass is computed."""
+
+    def __init__(self, runtime):
+        from edgespec.runtimes.base import SelectedRows
+
+        self._runtime = runtime
+        self.capabilities = runtime.capabilities - {SelectedRows}
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+@pytest.mark.parametrize("mode,temperature", [("ar", 0.0), ("draft", 0.0), ("lookup", 0.0), ("draft", 0.8)])
+def test_certain_tokens_need_no_logits_row(tiny_pair, mode, temperature):
+    """Where the grammar admits one token, its masked distribution is a point mass: the token is fed
+    (its KV) but its row is not computed. Same output as computing every row, fewer rows, every pass
+    exact (a skipped row must be a point mass on its token after the mask: edgespec.audit). Sampling
+    too: the computed rows' draws are the same, so the same seed gives the same tokens."""
+    from edgespec.audit import Fresh, Recorder, check_decisions, check_rows
+
+    config = GenerationConfig(max_tokens=200, temperature=temperature, mode=mode, draft_max=4, seed=7,
+                              constraint=Constraint.json_schema(LONG_KEYS))
+    runs = {}
+    for name, wrap in (("selected", lambda rt: rt), ("all", AllRows)):
+        with Engine(wrap(load_runtime(tiny_pair["target"], n_ctx=512)),
+                    load_runtime(tiny_pair["good_draft"], n_ctx=512)) as engine:
+            engine.recorder = Recorder()
+            result = engine.generate_tokens(PROMPT, config)
+            passes = list(engine.recorder.passes)
+            check_decisions(passes, PROMPT, result.tokens)
+            rows = sum(len(p.logits) - len(p.skipped) for p in passes)
+            runs[name] = (result, passes, rows, text_of(engine, result.tokens))
+    (selected, passes, rows, text), (every, all_passes, all_rows, _) = runs["selected"], runs["all"]
+    assert selected.tokens == every.tokens and selected.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), LONG_KEYS)
+    assert not any(p.skipped for p in all_passes) and any(p.skipped for p in passes)
+    assert selected.stats.forced == every.stats.forced > 0  # forced tokens still counted apart
+    print(f"\n{mode}: {rows} rows computed instead of {all_rows} ({selected.stats.forced} forced tokens)")
+    assert rows < all_rows * 0.75
+    fresh_runtime = load_runtime(tiny_pair["target"], n_ctx=512, n_threads=1)
+    check_rows(passes, Fresh(fresh_runtime), which=lambda i, p: i < 3)  # the computed rows are the model's own
+    fresh_runtime.close()
 
 
 @pytest.mark.slow
@@ -213,7 +281,7 @@ class MaskOnlyTheEmittedToken(Engine):
     """A wrong engine: drafts are judged by the target's unmasked rows, and only the token it emits
     (the correction or the bonus) is drawn from the masked row."""
 
-    def verify_accept(self, state, draft, logits, verifier=None):
+    def verify_accept(self, state, draft, logits, verifier=None, skipped=()):
         masked = state.sampler.rows(logits, state.committed, draft.tokens)
         unmasked = Sampler(state.sampler.params, 0).rows(logits, state.committed, draft.tokens)
         n, _ = accept_sampling(draft.tokens, draft.probs, unmasked, state.sampler.rng)
@@ -469,6 +537,67 @@ def test_penalties_and_logit_bias_are_honoured_exactly(tool_client, smollm2_path
     assert r.model_extra["edgespec"]["tokens"] == biased.tokens and banned not in biased.tokens
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_tools_or_the_response_format_is_one_grammar(tiny_engine):
+    """tool_choice auto with a response_format: a call, or an answer in the format, and nothing else
+    (compact JSON either way); a forced call leaves no room for the format."""
+    from edgespec.tools import parse_tools, tool_constraint
+
+    rt, tools = tiny_engine.target, parse_tools([WEATHER, TIME])
+
+    def allows(constraint, text, complete=True):
+        grammar = Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog, position=0)
+        tokens = np.asarray(rt.tokenize(text, add_special=False, parse_special=False), dtype=np.int32)
+        taken = grammar.valid_prefix(tokens)
+        return taken == len(tokens) and (not complete or grammar.consume(tokens) == len(tokens)
+                                         and grammar.matcher.is_accepting())
+
+    call = '{"tool_calls":[{"name":"get_time","arguments":{"city":"Oslo"}}]}'
+    answer = '{"city":"Paris","population":2100000}'
+    either = tool_constraint(tools, "auto", parallel=True, answer=CITY)
+    assert allows(either, call) and allows(either, answer)
+    assert not allows(either, '{"city":"Paris"}') and not allows(either, "Paris is large.", complete=False)
+    assert not allows(either, '{ "city":"Paris","population":1}', complete=False)  # compact, as json_schema
+    anything = tool_constraint(tools, "auto", parallel=True, answer={"type": "object"})
+    assert allows(anything, '{"x":[1,2]}') and allows(anything, call)
+    forced = tool_constraint(tools, "required", parallel=True, answer=CITY)
+    assert allows(forced, call) and not allows(forced, answer)
+
+
+def test_response_format_with_tools_through_the_openai_client(tool_client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    asks = [ASK, [{"role": "user", "content": "The largest city of France and its population, as JSON."}]]
+    for messages in asks:  # auto: a call, or an answer in the format
+        r = tool_client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER, TIME],
+                                                response_format=fmt, temperature=0, max_tokens=120)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_calls(choice.message, {"get_weather", "get_time"})
+        else:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), CITY)
+    r = tool_client.chat.completions.create(model="smol", messages=asks[1], tools=[WEATHER, TIME], response_format=fmt,
+                                            tool_choice="required", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message, {"get_weather", "get_time"})
+    r = tool_client.chat.completions.create(model="smol", messages=asks[1], tools=[WEATHER], response_format=fmt,
+                                            tool_choice="none", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+    stream = tool_client.chat.completions.create(model="smol", messages=asks[1], tools=[WEATHER, TIME], stream=True,
+                                                 response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    content, calls, finish = "", 0, None
+    for chunk in stream:
+        content += chunk.choices[0].delta.content or ""
+        calls += len(chunk.choices[0].delta.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert (finish == "tool_calls" and calls) or (finish == "stop" and isinstance(json.loads(content), dict)), content
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
@@ -480,6 +609,12 @@ def test_penalties_and_logit_bias_are_honoured_exactly(tool_client, smollm2_path
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),  # no output can match
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nope"}}}}, "response_format"),
+    ({"stream": True, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "minItems": 3, "maxItems": 1}}}}, "response_format"),  # refused before the stream
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"presence_penalty": 5}, "presence_penalty"),
@@ -494,3 +629,123 @@ def test_fields_not_honoured_are_refused_by_name(tool_server, extra, param):
     ok = httpx.post(f"{tool_server}/v1/chat/completions", json={"model": "smol", "messages": ASK, "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200  # the server keeps serving
+
+
+# --- `serve --parallel`: each slot its own grammar, masks and rollback -----------------------------
+
+# nearly flat (auto drafts) but rising, so a request's share of a shared pass costs something
+SLOTS_PROFILE = CostProfile({n: 0.01 + 0.0002 * n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}, 0.001, 0.0012, 0.00005)
+
+
+def tools_constraint():
+    from edgespec.tools import parse_tools, tool_constraint
+
+    return tool_constraint(parse_tools([WEATHER, TIME]), "required", parallel=True)
+
+
+def slots_run(tiny_pair, jobs, recorder):
+    """Every (prompt, config) submitted at once to 4 slots sharing one pool; their results in order."""
+    import asyncio
+
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+    from edgespec.serve.slots import ParallelEngine, SlotScheduler
+
+    options = LlamaCppOptions(n_ctx=2048, n_threads=1)
+    with ParallelEngine(LlamaCppMultiSeqRuntime(tiny_pair["target"], options, n_seq=4),
+                        LlamaCppMultiSeqRuntime(tiny_pair["good_draft"], options, n_seq=4), slot_ctx=512) as engine:
+        for e in engine.engines:
+            e.recorder, e._profile = recorder, SLOTS_PROFILE
+        scheduler = SlotScheduler(engine, max_queue=len(jobs))
+
+        async def run_all():
+            return await asyncio.gather(*[scheduler.generate(p, c) for p, c in jobs])
+
+        try:
+            results = asyncio.run(run_all())
+        finally:
+            scheduler.close()
+        assert scheduler.counters["batched_steps"] > 0 and scheduler.counters["max_active"] == 4
+    return results
+
+
+def test_constrained_requests_under_parallel_equal_their_solo_answers(tiny_pair):
+    """Schema, tool-call and regex requests at once in 4 slots (draft, lookup, auto): each request's
+    grammar masks its own rows and rolls back its own rejected drafts, so every answer equals the same
+    request's constrained answer alone, every pass is the rule's on its recorded rows (zero tolerance),
+    and the JSON answers are valid."""
+    from edgespec.audit import Recorder, check_decisions
+    from test_exactness import PROMPTS
+
+    schema, calls = CONSTRAINTS["schema"], tools_constraint()
+    plan = [(schema, "draft"), (calls, "lookup"), (schema, "auto"), (calls, "draft"), (CONSTRAINTS["regex"], "auto"),
+            (schema, "lookup")]
+    jobs = [(PROMPTS[i], GenerationConfig(max_tokens=64, temperature=0, mode=mode, draft_max=4, constraint=c))
+            for i, (c, mode) in enumerate(plan)]
+    recorder = Recorder()
+    results = slots_run(tiny_pair, jobs, recorder)
+    by_prompt = {tuple(ps[0].committed.tolist()): ps for ps in recorder.by_key().values()}
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512), load_runtime(tiny_pair["good_draft"], n_ctx=512)) as solo:
+        solo._profile = SLOTS_PROFILE
+        valid = 0
+        for (prompt, config), result in zip(jobs, results):
+            alone = solo.generate_tokens(prompt, config)
+            assert result.tokens == alone.tokens, f"{config.mode}: {text_of(solo, result.tokens)!r}"
+            check_decisions(by_prompt[tuple(prompt)], prompt, result.tokens)
+            if config.constraint.kind == "json_schema" and result.finish_reason == "stop":
+                value = json.loads(text_of(solo, result.tokens))
+                jsonschema.validate(value, json.loads(config.constraint.source))
+                valid += 1
+    assert valid >= 3, "too few complete JSON answers to check"
+    assert sum(r.stats.drafted for r in results) > 0 and sum(r.stats.forced for r in results) > 0
+
+
+# --- cloud-edge: the verifier applies the same constraint --------------------------------------------
+
+from test_exactness import audited_verifier, tiny  # noqa: E402,F401  (fixtures: `serve --verifier` in this process)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_constrained_cloud_edge_equals_constrained_local_plain(tiny_pair, audited_verifier, pipelined):
+    """The client sends the constraint when it opens the session; the verifier builds its own grammar
+    and masks its verify rows as the engine does, the device masks its draft rows: the output equals
+    constrained plain decoding here, every verify pass is the rule's on its recorded rows."""
+    from edgespec.audit import check_decisions
+    from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
+
+    core, url, key = audited_verifier
+    gate = Gate(token_threshold=0.0, product_threshold=0.0, max_block=4)
+    with Engine(load_runtime(tiny_pair["target"], n_ctx=512)) as local, \
+            CloudEdgeClient(load_runtime(tiny_pair["good_draft"], n_ctx=512),
+                            CloudOptions(url, api_key=key, tune=False, pipelined=pipelined, gate=gate)) as client:
+        for constraint in (CONSTRAINTS["schema"], tools_constraint(), CONSTRAINTS["gbnf"]):
+            config = GenerationConfig(max_tokens=64, temperature=0, constraint=constraint)
+            plain = local.generate_tokens(PROMPT, replace(config, mode="ar"))
+            core.recorder.passes.clear()
+            cloud = client.generate_tokens(PROMPT, config)
+            assert cloud.stats.offline_tokens == 0 and cloud.stats.drafted > 0
+            assert cloud.tokens == plain.tokens, f"{constraint.kind}: {text_of(local, cloud.tokens)!r}"
+            check_decisions(list(core.recorder.passes), PROMPT, cloud.tokens)
+            assert cloud.finish_reason == "stop" or constraint is not CONSTRAINTS["schema"]
+            if constraint.kind == "json_schema" and cloud.finish_reason == "stop":
+                jsonschema.validate(json.loads(text_of(local, cloud.tokens)), json.loads(constraint.source))
+
+
+@pytest.mark.parametrize("constraint,says", [
+    ({"kind": "json_schema", "source": '{"type": "foo"}', "start": 3}, "invalid json schema"),
+    ({"kind": "regex", "source": r"[^\s\S]", "start": 3}, "admits no output"),
+    ({"kind": "yaml", "source": "", "start": 3}, "constraint.kind"),
+    ({"kind": "regex", "source": "[0-9]+", "start": 1}, "do not follow"),  # the history after start is letters
+])
+def test_the_verifier_refuses_a_bad_constraint_in_its_own_words(audited_verifier, constraint, says):
+    import httpx
+
+    from edgespec.cloud.protocol import CONTENT_TYPE, SessionRequest, pack, unpack
+    from edgespec.sampling import SamplingParams
+
+    core, url, key = audited_verifier
+    message = SessionRequest(np.asarray([295, 104, 101], dtype=np.int32), SamplingParams(temperature=0), 1).to_wire()
+    r = httpx.post(f"{url}/v1/sessions", content=pack({**message, "constraint": constraint}),
+                   headers={"Authorization": f"Bearer {key}", "Content-Type": CONTENT_TYPE}, timeout=30)
+    answer = unpack(r.content, core.limits)
+    assert r.status_code == 422 and answer["error"] == "bad_constraint" and says in answer["message"], answer
+    assert "\n" not in answer["message"]

@@ -563,7 +563,8 @@ def phase_generate(run: Run, until: float) -> str | None:
         with Engine.load(m["target"], m["draft"], n_ctx=run.args.ctx, n_threads=run.args.threads) as engine:
             gpu_layers = engine.target.options.n_gpu_layers
             plain_tokens: dict[int, list[int]] = {}
-            for mode, k in modes:
+            # a target with NextN layers (README: a real MTP model) also drafts through its own MTP head
+            for mode, k in modes[:-1] + ([("mtp", 3)] if "mtp" in engine.drafters else []) + modes[-1:]:
                 if time.monotonic() > until:
                     rows.append({"mode": mode, "k": k, "status": "skipped", "reason": "time budget"})
                     continue

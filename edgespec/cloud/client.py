@@ -512,10 +512,13 @@ class CloudEdgeClient:
 
     # -- sessions ---------------------------------------------------------------------------------
 
-    def _start_request(self, state: SpeculativeState, resume: str | None) -> SessionRequest:
+    def _start_request(self, state: SpeculativeState, resume: str | None, config: GenerationConfig) -> SessionRequest:
+        """The session as the server must hold it: the history, the sampling chain and the constraint
+        (the verifier masks its rows by it as the engine does; the draft's rows here are masked too)."""
         seed_seq = np.random.SeedSequence([state.stats.seed, 1])  # independent of the drafting stream
         server_seed = int(seed_seq.generate_state(2, np.uint64)[0] >> np.uint64(1))
-        return SessionRequest(state.committed.copy(), state.sampler.params, server_seed, resume)
+        return SessionRequest(state.committed.copy(), state.sampler.params, server_seed, resume,
+                              config.constraint, state.n_prompt)
 
     def _call_start(self, request: SessionRequest, timeout: float) -> tuple[SessionResponse, float]:
         t = time.perf_counter()
@@ -608,7 +611,7 @@ class CloudGeneration:
                                        CloudStats(mode=CLOUD, prompt_tokens=len(prompt_ids), seed=seed))
         if not prompt_ids or len(prompt_ids) + config.max_tokens > client.draft.n_ctx:
             client.engine.start(prompt_ids, config, FixedPolicy(None, 0), CLOUD)  # raises the engine's clear error
-        start_future = client.pool.submit(client._call_start, client._start_request(placeholder, None),
+        start_future = client.pool.submit(client._call_start, client._start_request(placeholder, None, config),
                                           self.options.start_timeout_s)
         # the verifier sends no logits: a cloud generation has no log-probabilities
         state = client.engine.start(prompt_ids, replace(config, seed=seed, logprobs=None), FixedPolicy(None, 0), CLOUD)
@@ -772,7 +775,7 @@ class CloudGeneration:
         """Start the session again from the whole history (same session id when it still exists)."""
         client, timeout = self.client, self.options.start_timeout_s
         self.pipe.drop()
-        request = client._start_request(self.state, resume)
+        request = client._start_request(self.state, resume, self.config)
         try:
             response, elapsed = client.pool.submit(client._call_start, request, timeout).result(timeout=timeout + 1)
         except VerifierError as exc:

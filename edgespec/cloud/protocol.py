@@ -1,4 +1,4 @@
-"""The cloud-edge protocol, version 1.1: message schemas, msgpack encoding, strict validation.
+"""The cloud-edge protocol, version 1.2: message schemas, msgpack encoding, strict validation.
 
 Every message is one msgpack map with `v` (the protocol version). Token ids travel as raw
 little-endian int32 bytes, draft probabilities as top-k ids plus uint16 weights per drafted token,
@@ -18,11 +18,14 @@ import msgpack
 import numpy as np
 
 from edgespec.sampling import SamplingParams
+from edgespec.structured import KINDS, Constraint, ConstraintError
 
 PROTOCOL_VERSION = 1   # `v` on the wire: the major version; a side refuses any other
-PROTOCOL_MINOR = 1     # 1.1 adds VerifyRequest.assume_from/assume_last (several blocks in flight); 1.0 never sends them
+PROTOCOL_MINOR = 2     # 1.1 adds VerifyRequest.assume_from/assume_last (several blocks in flight); 1.0 never sends them
+#                        1.2 adds SessionRequest.constraint (structured output); sent only when the output is constrained
 CONTENT_TYPE = "application/msgpack"
 WEIGHT_SCALE = 65535  # compact probabilities are uint16 weights; q_i = w_i / sum(w)
+MAX_CONSTRAINT_CHARS = 64 << 10  # a constraint's source text (a JSON schema, regex or grammar), as the server's limit
 
 
 class ProtocolError(Exception):
@@ -62,7 +65,7 @@ def unpack(data: bytes, limits: Limits) -> dict:
         raise ProtocolError(413, "too_large", f"message of {len(data)} bytes exceeds {limits.max_body_bytes}")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
-                              max_str_len=4096,
+                              max_str_len=MAX_CONSTRAINT_CHARS,
                               max_bin_len=limits.max_body_bytes, max_array_len=64, max_map_len=32)
     except ProtocolError:
         raise
@@ -214,6 +217,24 @@ def decode_sampling(value: Any) -> SamplingParams:
         raise ProtocolError(422, "invalid", f"sampling: {exc}") from None
 
 
+def decode_constraint(value: Any, n_tokens: int) -> tuple[Constraint, int]:
+    """`{kind, source, start}`: what the output must match (edgespec.structured.Constraint's fields) and
+    where in the history the output starts (the prompt's length). Compiled here: a schema or grammar
+    that does not compile is refused (422 `bad_constraint`) before the session starts."""
+    if not isinstance(value, dict) or set(value) != {"kind", "source", "start"}:
+        raise ProtocolError(400, "malformed", "constraint must be a map with exactly the fields kind, source, start")
+    kind, source = value["kind"], value["source"]
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ProtocolError(422, "bad_constraint", f"constraint.kind must be one of {', '.join(KINDS)}")
+    if not isinstance(source, str):
+        raise ProtocolError(400, "malformed", "constraint.source must be a string")
+    start = _int(value, "start", 1, n_tokens)
+    try:
+        return Constraint(kind, source), start
+    except ConstraintError as exc:
+        raise ProtocolError(422, "bad_constraint", str(exc)) from None
+
+
 @dataclass
 class SessionRequest:
     """Start a session (or rebuild one) from the client's whole token history."""
@@ -222,19 +243,28 @@ class SessionRequest:
     sampling: SamplingParams
     seed: int                    # the verifier's randomness for this session: rng([seed, n_past]) per round
     resume: str | None = None    # a session id to reuse (its KV for the shared prefix is kept)
+    constraint: Constraint | None = None  # 1.2: the output must match it (the verifier masks its rows)
+    constraint_start: int = 0    # 1.2: where the constrained output starts in `tokens` (the prompt's length)
 
     def to_wire(self) -> dict:
-        return {"v": PROTOCOL_VERSION, "tokens": encode_tokens(self.tokens),
-                "sampling": sampling_to_wire(self.sampling), "seed": self.seed, "resume": self.resume}
+        message = {"v": PROTOCOL_VERSION, "tokens": encode_tokens(self.tokens),
+                   "sampling": sampling_to_wire(self.sampling), "seed": self.seed, "resume": self.resume}
+        if self.constraint is not None:  # absent otherwise: an unconstrained request is a 1.1 request
+            message["constraint"] = {"kind": self.constraint.kind, "source": self.constraint.source,
+                                     "start": int(self.constraint_start)}
+        return message
 
     @classmethod
     def from_wire(cls, obj: dict, limits: Limits) -> "SessionRequest":
-        _fields(obj, {"v", "tokens", "sampling", "seed"}, {"resume"})
+        _fields(obj, {"v", "tokens", "sampling", "seed"}, {"resume", "constraint"})
         tokens = decode_tokens(obj["tokens"], "tokens", limits.n_vocab, 1, limits.max_context - 1)
         resume = obj.get("resume")
         if resume is not None and (not isinstance(resume, str) or not 1 <= len(resume) <= 64):
             raise ProtocolError(422, "invalid", "resume must be a session id or nil")
-        return cls(tokens, decode_sampling(obj["sampling"]), _int(obj, "seed", 0, 2**63 - 1), resume)
+        request = cls(tokens, decode_sampling(obj["sampling"]), _int(obj, "seed", 0, 2**63 - 1), resume)
+        if obj.get("constraint") is not None:
+            request.constraint, request.constraint_start = decode_constraint(obj["constraint"], len(tokens))
+        return request
 
 
 @dataclass

@@ -42,6 +42,7 @@ from edgespec.cloud.protocol import (CONTENT_TYPE, PROTOCOL_MINOR, Limits, Proto
                                      vocab_fingerprint)
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler
+from edgespec.structured import ConstraintError, Grammar
 from edgespec.verify import accept_greedy, accept_sampling
 
 log = logging.getLogger("edgespec.cloud.verifier")
@@ -249,8 +250,9 @@ class VerifierCore:
             if session is not None and session.id in busy:
                 raise ProtocolError(409, "busy", "this session has a request in progress")
             history = req.tokens.tolist()
+            grammar = self._grammar(req)
             if session is None:
-                session = self._new_session(job.owner, req, busy)
+                session = self._new_session(job.owner, req, busy, grammar)
                 kept = 0
             else:  # rebuild in place: keep the KV of the prefix both histories share
                 held = self.runtime.seq_tokens(session.seq)
@@ -259,7 +261,7 @@ class VerifierCore:
                 diff = np.flatnonzero(held[:n] != target[:n])
                 kept = int(diff[0]) if diff.size else n
                 self.runtime.seq_truncate(session.seq, kept)
-                session.sampler = Sampler(req.sampling, req.seed)
+                session.sampler = Sampler(req.sampling, req.seed, grammar)
                 session.seed = req.seed
                 session.revision += 1
                 session.chain = None
@@ -333,7 +335,24 @@ class VerifierCore:
         self.counters["shed"] = self.counters.get("shed", 0) + len(idle)
         return f"shed {len(idle)} idle sessions"
 
-    def _new_session(self, owner: str, req: SessionRequest, busy: set[str]) -> Session:
+    def _grammar(self, req: SessionRequest) -> Grammar | None:
+        """The session's grammar (None unconstrained), built as the engine builds it and walked over the
+        output so far; 422 `bad_constraint` when no output can match it or the history does not."""
+        if req.constraint is None:
+            return None
+        rt = self.runtime
+        try:
+            grammar = Grammar(rt.grammar_tokenizer(), req.constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog,
+                              position=req.constraint_start)
+        except ConstraintError as exc:
+            raise ProtocolError(422, "bad_constraint", str(exc)) from None
+        output = req.tokens[req.constraint_start:]
+        if grammar.consume(output) < len(output):
+            raise ProtocolError(422, "bad_constraint", f"the tokens after constraint.start do not follow the "
+                                                       f"{req.constraint.describe()}")
+        return grammar
+
+    def _new_session(self, owner: str, req: SessionRequest, busy: set[str], grammar: Grammar | None) -> Session:
         if self.memory_guard is not None and not self.memory_guard.admitting:
             raise ProtocolError(503, "overloaded", "the verifier is near its memory budget and takes no new "
                                                    "sessions now; retry later")
@@ -346,7 +365,7 @@ class VerifierCore:
         seq = self.free_seqs.pop()
         self.runtime.seq_clear(seq)
         session = Session(self.config.session_id_prefix + secrets.token_urlsafe(24), owner, seq, [],
-                          Sampler(req.sampling, req.seed), req.seed)
+                          Sampler(req.sampling, req.seed, grammar), req.seed)
         self.sessions[session.id] = session
         self.counters["sessions_started"] += 1
         return session
@@ -434,7 +453,10 @@ class VerifierCore:
                                       held=self.runtime.seq_tokens(session.seq), greedy=rng is None)
         n, token = rule(req.draft, q, rows, rng)
         self.runtime.seq_truncate(session.seq, n_past + n)  # KV: old last token plus the accepted drafts
-        session.tokens += req.draft[:n].tolist() + [int(token)]
+        new = req.draft[:n].tolist() + [int(token)]
+        session.tokens += new
+        if session.sampler.grammar is not None:  # it holds committed tokens only, as the engine's
+            session.sampler.grammar.consume(new)
         session.revision += 1
         session.chain = req.revision if req.assume_from is None else req.assume_from
         self.counters["verified"] += 1

@@ -35,6 +35,8 @@ class Draft:
     #                                       tokens[:i] did (suffix drafting); None = not given
     forced: int = 0  # the first `forced` tokens are a constraint's forced continuation (a chain
     #                  under any tree), not the drafter's
+    certain: np.ndarray | None = None  # bool (forced,): forced token i is the only token the grammar
+    #                                    admits there, so its row need not be computed (Engine.verify_rows)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -44,7 +46,8 @@ class Draft:
         if n >= len(self) or self.parents is not None:
             return self
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], None,
-                     None if self.confidence is None else self.confidence[:n], min(self.forced, n))
+                     None if self.confidence is None else self.confidence[:n], min(self.forced, n),
+                     None if self.certain is None else self.certain[:n])
 
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
@@ -96,6 +99,7 @@ class DraftSources:
     """What an engine has to build its drafters from."""
 
     draft: Runtime | None = None              # the draft model, if one is loaded
+    target: Runtime | None = None             # the target (its own MTP head drafts, where it has one)
     history: "SuffixHistory | None" = None    # earlier generations' outputs (suffix drafting)
 
 
@@ -109,6 +113,8 @@ class DrafterSpec:
     default_k: int            # tokens drafted per round under --mode NAME
     build: Callable[[DraftSources], "Drafter | None"]  # None: not available with these sources
     ask_s: Callable[["CostProfile"], float] | None = None  # COPIES: what auto pays to ask it once a round
+    step_s: Callable[["CostProfile"], "float | None"] = lambda profile: profile.draft_s  # MODEL: one drafted token
+    catchup_s: Callable[["CostProfile"], "float | None"] = lambda profile: profile.draft_catchup_s  # MODEL: two tokens
     trees: bool = False       # can widen a proposal into a token tree (honours `branch`)
     confident: bool = False   # states a confidence per token, which auto calibrates (ConfidenceCalibration)
     unavailable: str = ""     # the error for --mode NAME when `build` gives None

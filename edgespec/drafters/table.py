@@ -12,12 +12,13 @@ from __future__ import annotations
 from edgespec.drafters.base import Drafter, DrafterSpec, DraftSources
 from edgespec.drafters.draft_model import DRAFT_MODEL
 from edgespec.drafters.lookup import PROMPT_LOOKUP
+from edgespec.drafters.mtp import MTP
 from edgespec.errors import EdgespecError
 from edgespec.drafters.suffix import SUFFIX
 
 # The order is --mode's order in help and errors, and the order auto weighs drafters of one kind in
 # (the first of equally fast proposals wins).
-DRAFTERS: tuple[DrafterSpec, ...] = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
+DRAFTERS: tuple[DrafterSpec, ...] = (DRAFT_MODEL, MTP, PROMPT_LOOKUP, SUFFIX)
 BY_NAME: dict[str, DrafterSpec] = {spec.name: spec for spec in DRAFTERS}
 
 

@@ -255,14 +255,36 @@ def _catalog() -> list[Any] | None:
         return None
 
 
-def _recommended_pair(budget: int) -> tuple[Any, int] | None:
-    """(pair, predicted peak) of the largest recommended pair (models/pairs.json) within the budget."""
+def _default_model() -> str:
+    from edgespec.models import catalog
+
+    return catalog.DEFAULT_MODEL
+
+
+def _recommended_pair(budget: int, basis: "SpeedBasis | None" = None) -> tuple[Any, int, float | None] | None:
+    """(pair, predicted peak, predicted target tok/s) of the recommended pair (models/pairs.json) to use:
+    the largest within the memory budget whose target decodes at USABLE_TOK_S or faster by `basis`, else
+    the fastest that fits. Without a basis (a GPU never profiled) the largest that fits."""
     try:
         from edgespec.models import pairs
     except Exception:  # advice must answer even where the pairs catalog cannot load
         return None
-    pair = pairs.largest_fitting(budget)
-    return (pair, pair.expected_bytes()) if pair else None
+    fitting = sorted((p for p in pairs.pairs() if p.usable and p.expected_bytes() <= budget), key=lambda p: p.expected_bytes(),
+                     reverse=True)
+    if not fitting:
+        return None
+    if basis is None:
+        return fitting[0], fitting[0].expected_bytes(), None
+    speed = {p.name: basis.tok_s(p.target.file_bytes) for p in fitting}
+    usable = [p for p in fitting if speed[p.name] >= USABLE_TOK_S]
+    pair = usable[0] if usable else max(fitting, key=lambda p: speed[p.name])
+    return pair, pair.expected_bytes(), speed[pair.name]
+
+
+def _mtp_note(pair) -> str:
+    """Says so where the pair's target file carries an MTP (NextN) head: it drafts without the draft model."""
+    heads = getattr(pair.target, "mtp_heads", 0)
+    return f"; its target carries an MTP head ({heads} NextN layer{'s' if heads > 1 else ''}: --mode mtp)" if heads else ""
 
 
 def model_need_bytes(*size_bytes: int) -> int:
@@ -306,17 +328,29 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
                 "on a CPU, draft-model speculation often loses (0.7-0.86x plain decoding with the Qwen2.5-Coder "
                 "1.5B + 0.5B pair on a 2-core build machine) while prompt lookup helps on edit-like prompts; `auto` "
                 "measures and chooses")
-    recommended = _recommended_pair(budget)
+    basis = speed_basis(r)
+    recommended = _recommended_pair(budget, basis)
     if recommended is not None:
-        pair, need = recommended
+        pair, need, tok_s = recommended
+        if tok_s is None:
+            speed, chosen = "its speed on this GPU is not predicted until `edgespec profile` has run", "largest"
+        else:
+            speed = (f"its target is predicted to decode at about {tok_s:.1f} tok/s here, from {basis.source}"
+                     + ("" if tok_s >= USABLE_TOK_S else f", under the {USABLE_TOK_S:g} tok/s a reader keeps up with: "
+                        "no recommended pair is faster"))
+            chosen = "largest fast enough" if tok_s >= USABLE_TOK_S else "fastest"
+        default = " (the default: what `edgespec generate` runs when no model is named)" if pair.target.source == (
+            _default_model()) else ""
         return [Advice(
-            "models", f"the largest recommended pair that fits is {pair.target.name} with draft {pair.draft.name} "
-            f"({_gib(need)} predicted by the memory planner at a 4096-token context, of {_gib(budget)} {what}); "
-            f"{why_mode}. Fetch it, then run it:",
+            "models", f"the {chosen} recommended pair that fits is {pair.target.name} with draft {pair.draft.name}{default} "
+            f"({_gib(need)} predicted by the memory planner at a 4096-token context, of {_gib(budget)} {what}; "
+            f"{speed}){_mtp_note(pair)}; {why_mode}. Fetch it, then run it:",
             f"{pair.pull_command()} && {pair.run_command()} --mode auto",
             {"target": pair.target.source, "draft": pair.draft.source, "mode": "auto", "n_gpu_layers": gpu_layers,
              "n_threads": threads, "need_bytes": need, "budget_bytes": budget, "family": pair.family,
-             "pull": [pair.target.source, pair.draft.source]})]
+             "pull": [pair.target.source, pair.draft.source],
+             "predicted_tok_s": None if tok_s is None else round(tok_s, 1),
+             "speed_basis": None if basis is None else basis.source})]
     for target, draft in pairs:
         need = model_need_bytes(target.size_bytes, draft.size_bytes)
         if need <= budget:
@@ -330,8 +364,9 @@ def _models_advice(r: HardwareReport) -> list[Advice]:
         need = model_need_bytes(entry.size_bytes)
         if need <= budget:
             return [Advice(
-                "models", f"no catalog pair fits {_gib(budget)} {what}; {entry.name} alone does "
-                f"({_gib(need)}): use prompt lookup drafting.",
+                "models", f"no catalog pair fits {_gib(budget)} {what}, not even the default ({_default_model()} "
+                f"with its draft, which `edgespec generate` loads when no model is named); {entry.name} alone does "
+                f"({_gib(need)}): name it and use prompt lookup drafting.",
                 f'edgespec generate "..." --target {entry.name} --mode lookup',
                 {"target": entry.name, "draft": None, "mode": "lookup", "n_gpu_layers": gpu_layers,
                  "n_threads": threads, "need_bytes": need, "budget_bytes": budget})]
@@ -453,3 +488,62 @@ def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
         console.print(Text.assemble((a["topic"], "bold"), ": ", a["message"]))
         if a["command"]:
             console.print(Text("    " + a["command"]), soft_wrap=True)
+
+
+# --- fast enough to use: the predicted decode speed of a model here ---------------------------------
+
+# Below this a reply comes slower than people read (about 4-5 words a second): the recommended pair is the
+# largest fitting one whose target decodes at least this fast here.
+USABLE_TOK_S = 5.0
+# Profiles of models smaller than this are mostly per-step overhead, not weight streaming (SmolLM2-135M's
+# 13 ms step here reads as 7 GB/s; the 1.5B's 14 tok/s as 15 GB/s): they would predict larger models too slow.
+_MIN_BASIS_BYTES = 250 * 1024**2
+
+
+@dataclass(frozen=True)
+class SpeedBasis:
+    """Bytes of model a decode step streams per second here, and where that figure comes from."""
+
+    bytes_per_s: float
+    source: str
+
+    def tok_s(self, file_bytes: int) -> float:
+        """Predicted plain decode speed of a model file of `file_bytes` (every weight read once a token)."""
+        return self.bytes_per_s / max(file_bytes, 1)
+
+
+def speed_basis(r: HardwareReport, profiles_dir=None) -> SpeedBasis | None:
+    """From the measured step time of the largest model profiled on this device (`edgespec profile`),
+    else from the memory bandwidth measured now; None on a GPU with no profile (its bandwidth is not measured)."""
+    import json
+    from pathlib import Path
+
+    from edgespec.machine.hardware import device_key, memory_bandwidth_bytes_s
+
+    device = device_key(r)
+    if profiles_dir is None:
+        from edgespec.machine.profile import profile_dir
+
+        profiles_dir = profile_dir()
+    best: tuple[int, float, str] | None = None  # (model bytes, step seconds, model name)
+    for path in Path(profiles_dir).glob("*.json") if Path(profiles_dir).is_dir() else ():
+        try:
+            d = json.loads(path.read_text())
+            key, step = d["key"], float(d["verify_s"]["1"])
+            if not str(key["target"].get("runtime", "")).startswith("llama-cpp"):
+                continue  # the pairs run on llama.cpp; an ONNX step is another runtime's speed
+            model = key["target"]["model"]
+            size, name = int(model["size"]), str(model.get("name", "?"))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if key.get("device") != device or size < _MIN_BASIS_BYTES or step <= 0:
+            continue
+        if best is None or size > best[0] or (size == best[0] and step < best[1]):
+            best = (size, step, name)
+    if best is not None:
+        size, step, name = best
+        return SpeedBasis(size / step, f"the measured step of {name} ({step * 1000:.0f} ms a token)")
+    if memory_kind(r) == "discrete" and default_gpu_layers(r) != 0:
+        return None
+    bw = memory_bandwidth_bytes_s()
+    return SpeedBasis(bw, f"the memory bandwidth measured now ({bw / 1e9:.1f} GB/s) and the model's size")

@@ -1174,3 +1174,29 @@ def device_key(report: HardwareReport, use_gpu: bool | None = None) -> str:
         return f"{backend}-{_slug(device.get('description') or device.get('name'))}"
     threads = report.cpu.usable_cores or report.cpu.logical_cores or 0
     return f"cpu-{report.cpu.simd_level}-{threads}t"
+
+
+# --- how fast a model decodes here: decode streams every weight once per token ----------------------
+
+_BANDWIDTH: list[float] = []  # measured once per process
+
+
+def memory_bandwidth_bytes_s(seconds: float = 0.3) -> float:
+    """Bytes per second one pass over a large array reads here (numpy sum over 256 MiB, best of a few
+    runs within `seconds`): the ceiling a CPU decode step, which reads every weight once, runs under."""
+    if _BANDWIDTH:
+        return _BANDWIDTH[0]
+    import time
+
+    import numpy as np
+
+    data = np.ones(32 * 1024 * 1024, dtype=np.float64)  # 256 MiB, past every cache
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    for _ in range(5):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > t_end:
+            break
+    _BANDWIDTH.append(data.nbytes / best)
+    return _BANDWIDTH[0]

@@ -323,7 +323,7 @@ def calibrate(*, build: str | None = None, system_info: str | None = None, force
     """The calibration of this build: from the cache, else measured now in fresh subprocesses.
 
     build/system_info name the llama.cpp build (asked of it in a subprocess when not given);
-    `reference` is the model file to calibrate with (default: the catalog's DEFAULT_MODEL).
+    `reference` is the model file to calibrate with (default: memprobe.CALIBRATION_MODEL, SmolLM2-135M).
     """
     if build is None or system_info is None:
         info = _run_probe(["build"], timeout=120)

@@ -50,6 +50,7 @@ DRY_RUNS = [
     ]
 ]
 
+CALIBRATION_MODEL = "smollm2-135m"  # the smallest catalog model: calibration loads it twice, in seconds
 REFERENCE_RUN = {"n_ctx": 768, "type_k": "f16", "type_v": "f16", "n_batch": 512, "n_outputs_max": 5}
 
 
@@ -61,7 +62,7 @@ def cmd_calibrate(reference: str | None = None) -> dict:
                                  fit_calibration)
     from edgespec.runtimes import llamacpp
 
-    path = reference or str(resolve(None))  # the default model
+    path = reference or str(resolve(CALIBRATION_MODEL))
     info = llamacpp.backend_info()
     before = current_rss()
     vocab = llamacpp.VocabOnly(path)  # first model this process touches: a clean delta

@@ -438,9 +438,11 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
 
 
 def _resolve(target: str | os.PathLike | None, draft: str | os.PathLike | None) -> tuple[Path, Path | None]:
-    """The model files a plan is made for (edgespec.loader resolves the names)."""
-    from edgespec.loader import resolve
+    """The model files a plan is made for (edgespec.loader resolves the names; no target and no draft:
+    the default model with its draft)."""
+    from edgespec.loader import choose_draft, resolve
 
+    draft = choose_draft(target, draft)
     return resolve(target), resolve(draft) if draft else None
 
 

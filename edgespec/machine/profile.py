@@ -20,7 +20,7 @@ import numpy as np
 from edgespec import atomic
 from edgespec.runtimes.base import ModelIdentity, Runtime
 
-PROFILE_VERSION = 3  # 3: sizes measured round-robin, coarse first
+PROFILE_VERSION = 4  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s)
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
 
@@ -34,6 +34,7 @@ class CostProfile:
     draft_catchup_s: float | None = None  # a two-token draft decode (after a fully accepted draft)
     lookup_s: float = 0.0               # one prompt-lookup proposal
     suffix_s: float = 0.0               # one suffix-drafting proposal over a full default history
+    mtp_s: float | None = None          # one step of the target's own MTP head (NextTokenHeads), per drafted token
     key: dict = field(default_factory=dict)
     measured_in_s: float = 0.0
 
@@ -133,6 +134,7 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
         draft_s = _best_time(draft_step(1), repeats)
         catchup_s = _best_time(draft_step(2), repeats)
         draft.truncate(0)
+    mtp_s = _mtp_step_s(target, context, repeats)
     target.truncate(0)
 
     from edgespec.drafters import PromptLookupDrafter
@@ -147,8 +149,28 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     past.add(rng.integers(100, 1000, size=DEFAULT_HISTORY_TOKENS).astype(np.int32))
     suffix = SuffixDrafter(past)
     suffix_s = _best_time(lambda: suffix.propose(history, 16, sampler), 5)
-    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, suffix_s,
+    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, suffix_s, mtp_s=mtp_s,
                        measured_in_s=time.perf_counter() - t_start)
+
+
+def _mtp_step_s(target: Runtime, context: np.ndarray, repeats: int) -> float | None:
+    """One step of the target's MTP head (a one-token decode of its NextN layer), where it has one."""
+    from edgespec.runtimes.base import NextTokenHeads
+
+    if NextTokenHeads not in target.capabilities:
+        return None
+    head = target.next_token_head()
+    head.truncate(0)
+    head.decode(context, target.hidden_rows(-1, len(context) - 1), 0)
+    row = target.hidden_rows(len(context) - 2, len(context) - 1)
+
+    def step():
+        head.decode(context[-1:], row, 1)
+        head.truncate(len(context))
+    step()
+    seconds = _best_time(step, repeats)
+    head.truncate(0)
+    return seconds
 
 
 # --- cache -----------------------------------------------------------------------------------

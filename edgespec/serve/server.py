@@ -43,9 +43,9 @@ from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, Generati
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.machine.guard import MemoryBudgetError
 from edgespec.serve.prefix_cache import PrefixCache
-from edgespec.runtimes.base import SavedState
+from edgespec.runtimes.base import GrammarVocabulary, SavedState
 from edgespec.serve.slots import ParallelEngine, SlotScheduler, StepFailedError
-from edgespec.structured import Constraint, ConstraintError
+from edgespec.structured import Constraint, ConstraintError, Grammar
 from edgespec.tools import (Tool, ToolError, history_message, parse_tool_calls, parse_tools, resolve_choice,
                             template_renders_tools, tool_constraint, tool_note)
 
@@ -324,22 +324,38 @@ class _Service:
         kind = fmt.get("type")
         if kind not in ("text", "json_object", "json_schema"):
             raise ApiError(400, "response_format type must be text, json_object or json_schema", param="response_format")
-        if choice is not None and kind != "text":
-            raise ApiError(400, "response_format together with tools is not supported yet", param="response_format")
+        answer = None  # the JSON schema an answer must match, if the response_format asks for one
+        if kind == "json_object":
+            answer = {"type": "object"}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ApiError(400, "response_format.json_schema must be {'name': ..., 'schema': {...}}",
+                               param="response_format.json_schema")
+            answer = spec.get("schema", {})
         try:
-            if choice is not None:
-                return tool_constraint(tools, choice, req.parallel_tool_calls), tools, choice
-            if kind == "json_object":
-                return Constraint.json_object(), tools, None
-            if kind == "json_schema":
-                spec = fmt.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                    raise ApiError(400, "response_format.json_schema must be {'name': ..., 'schema': {...}}",
-                                   param="response_format.json_schema")
-                return Constraint.json_schema(spec.get("schema", {})), tools, None
+            constraint = None if answer is None else (Constraint.json_object() if kind == "json_object"
+                                                      else Constraint.json_schema(answer))
+            if choice is None:
+                self.check_satisfiable(constraint)
         except ConstraintError as exc:
-            raise ApiError(400, str(exc), param="response_format" if choice is None else "tools") from None
-        return None, tools, None
+            raise ApiError(400, str(exc), param="response_format") from None
+        if choice is None:
+            return constraint, tools, None
+        try:  # the model calls tools (as tool_choice says) or answers in the response format
+            constraint = tool_constraint(tools, choice, req.parallel_tool_calls, answer)
+            self.check_satisfiable(constraint)
+        except ConstraintError as exc:
+            raise ApiError(400, str(exc), param="tools") from None
+        return constraint, tools, choice
+
+    def check_satisfiable(self, constraint: Constraint | None) -> None:
+        """A constraint no output can match is refused now, before the request queues (a stream's status
+        line would be sent already): the grammar over the model's vocabulary, built and dropped, says so
+        when its first mask is empty (ConstraintError). A millisecond or so."""
+        rt = self.engine.target
+        if constraint is not None and GrammarVocabulary in rt.capabilities:
+            Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog, position=0)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
