@@ -269,7 +269,7 @@ class _OnceReleaser(Releaser):
 def release_draft(engine) -> None:
     """Drop the draft model of an `Engine` (or of every slot of a `ParallelEngine`) and give its memory
     back: new generations build their drafters without it, running ones draft nothing from it (the
-    drafter sees its runtime closed), and the runtime is closed (llama.cpp frees weights, KV, buffers)."""
+    drafter is marked `released`), and the runtime is closed (llama.cpp frees weights, KV, buffers)."""
     runtime = engine.draft_runtime
     for e in getattr(engine, "engines", None) or [engine]:
         drafter = e.drafters.pop("draft", None)
