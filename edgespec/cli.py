@@ -100,8 +100,21 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
         draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
         raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
+    if runtime == "onnx" and budget is not None and gpu_budget is None:  # no plan for ONNX: the guard alone
+        from edgespec.machine.guard import guard_loaded
+        from edgespec.machine.memory import parse_size
+
+        engine = Engine.load(target, draft, n_ctx=ctx, n_threads=threads, runtime=runtime, kv_resident=kv_resident,
+                             verbose=verbose)
+        try:
+            guard_loaded(engine, parse_size(budget))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
     if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):
-        raise EdgespecError(f"--budget plans llama.cpp setups; drop --budget or --runtime {runtime}")
+        raise EdgespecError(f"--budget plans llama.cpp setups (and guards ONNX Runtime's); drop --budget or "
+                            f"--runtime {runtime}")
     if budget is None and gpu_budget is None:
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
                            flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose,
@@ -615,15 +628,16 @@ def serve(
     if as_verifier:
         if runtime != "llamacpp":
             raise EdgespecError("serve --verifier runs llama.cpp (one KV sequence per session); drop --runtime")
-        if draft or budget or gpu_budget:
-            raise EdgespecError(f"serve --verifier takes no {'--draft' if draft else '--budget'} (the edge drafts; the "
-                                "verifier's memory is --max-sessions x --session-ctx)")
+        if draft or gpu_budget:
+            raise EdgespecError(f"serve --verifier takes no {'--draft' if draft else '--gpu-budget'} (the edge drafts; "
+                                "the verifier's memory is --max-sessions x --session-ctx; --budget guards it)")
         if parallel != 1:
             raise EdgespecError("the verifier already verifies every session with work in one batched pass, one "
                                 "sequence per session: set how many with --max-sessions, not --parallel")
         _serve_verifier(target, api_key, host, port, ssl_certfile, ssl_keyfile, max_sessions=max_sessions,
                         session_ctx=session_ctx, idle_timeout=idle_timeout, rate=rate, batch=not no_batch,
-                        threads=threads, gpu_layers=gpu_layers, verbose=verbose, ray_options=ray_options)
+                        threads=threads, gpu_layers=gpu_layers, verbose=verbose, ray_options=ray_options,
+                        budget=budget)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
     history = _history(history_limit)
@@ -704,11 +718,13 @@ def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, addr
 
 
 def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, max_sessions, session_ctx,
-                    idle_timeout, rate, batch, threads, gpu_layers, verbose, ray_options=None) -> None:
+                    idle_timeout, rate, batch, threads, gpu_layers, verbose, ray_options=None, budget=None) -> None:
     from edgespec.cloud.verifier import VerifierConfig, serve as serve_verifier
+    from edgespec.machine.memory import parse_size
 
     config = VerifierConfig(api_keys=tuple(api_keys), max_sessions=max_sessions, max_context=session_ctx,
-                            idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch)
+                            idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch,
+                            budget_bytes=parse_size(budget) if budget else None)
     if ray_options is not None:
         from edgespec.serve import scaleout
 

@@ -480,7 +480,7 @@ def test_model_advice_follows_memory(here, monkeypatch):
 TOP = {"schema_version": int, "platform": dict, "cpu": dict, "memory": dict, "gpus": dict, "apple": (dict, type(None)),
        "jetson": (dict, type(None)), "llama_cpp": dict, "onnxruntime": dict, "coreml": dict, "mlx": dict, "device_key": str,
        "memory_kind": str, "gpu_layers": int, "device_memory_bytes": (int, type(None)), "advice": list,
-       "display_gpus": (dict, type(None))}
+       "memory_guard": list, "display_gpus": (dict, type(None))}
 SECTIONS = {
     "cpu": {"arch", "name", "logical_cores", "physical_cores", "usable_cores", "simd", "simd_level", "sources",
             "unavailable"},

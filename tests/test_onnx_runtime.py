@@ -441,8 +441,13 @@ def test_cli_generate_runs_a_bundle_on_onnx_runtime(tiny_bundle, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["stats"]["mode"] == "draft" and len(out["tokens"]) == 6
-    proc = generate("--runtime", "onnx", "--budget", "1G")
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --budget plans llama.cpp setups; drop --budget or --runtime onnx"
+    proc = generate("--runtime", "onnx", "--budget", "8G", "--json")  # no plan for ONNX: the guard holds it
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["tokens"]) == 6
+    proc = generate("--runtime", "onnx", "--budget", "1M")
+    assert proc.returncode == 2 and "over the --budget of 1.0 MiB" in proc.stderr
+    proc = generate("--runtime", "onnx", "--budget", "8G", "--gpu-budget", "1G")
+    assert proc.returncode == 2 and "drop --budget or --runtime onnx" in proc.stderr
 
 
 def test_bundle_self_draft_is_the_listed_quant(exported, tmp_path):
@@ -523,3 +528,26 @@ def test_smollm2_onnx_matches_llama_cpp(smollm2_hf, smollm2_path, tmp_path):
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France?",
            "List three primary colors."]
+
+
+def test_under_a_budget_the_onnx_engine_is_guarded(exported):
+    """ONNX loads get the guard's ladder under --budget (no plan: the runtimes' own reports size it);
+    under pressure the draft goes and generation goes on model-free."""
+    from edgespec.cli import load_engine
+    from edgespec.machine.guard import trim_heap
+    from edgespec.machine.memory import current_rss
+
+    roomy = load_engine(str(exported["llama"]["onnx"]), str(exported["llama_draft"]["onnx"]), "auto", ctx=512,
+                        threads=1, gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
+                        verbose=False, budget=str(current_rss() * 4), runtime="onnx")
+    with roomy as engine:
+        guard = engine.memory_guard
+        assert {r.step for r in guard.releasers} == {"suffix_history", "draft_model"}
+        assert guard.estimates()["draft_model"] > 0
+        ids = prompts(exported["llama"]["onnx"])[0]
+        assert len(engine.generate_tokens(ids, GenerationConfig(max_tokens=8, temperature=0, mode="draft")).tokens) == 8
+        trim_heap()
+        guard.budget_bytes = int(current_rss() / 0.98)  # pressure: the draft is what there is to give up
+        tokens = engine.generate_tokens(ids, GenerationConfig(max_tokens=8, temperature=0, mode="auto")).tokens
+        assert len(tokens) == 8 and engine.draft_runtime is None
+        assert "draft_model" in [r["step"] for r in guard.released]

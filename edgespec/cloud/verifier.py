@@ -64,6 +64,8 @@ class VerifierConfig:
     max_waiting: int = 8             # requests per session waiting for an earlier one (1.1); more get 429
     order_timeout_s: float = 2.0     # how long such a request waits for the one it follows before 409 stale
     session_id_prefix: str = ""      # Ray Serve replicas put their id here, so a router can find a session's KV
+    budget_bytes: int | None = None  # --budget: a MemoryGuard sheds idle sessions, then refuses new ones
+    idle_shed_s: float = 5.0         # under memory pressure, sessions idle this long are shed first
 
     def __post_init__(self) -> None:
         if not self.api_keys or any(len(k) < 8 for k in self.api_keys):
@@ -128,6 +130,12 @@ class VerifierCore:
         self._waiting: dict[str, list[tuple[float, _Job]]] = {}
         self._ready: list[_Job] = []
         self.recorder = None  # an edgespec.audit.Recorder records every verify pass; off by default
+        self.memory_guard = None
+        if config.budget_bytes:
+            from edgespec.machine.guard import CallbackReleaser, MemoryGuard
+
+            self.memory_guard = MemoryGuard(config.budget_bytes, releasers=[
+                CallbackReleaser("saved_state", self._idle_bytes, self._shed_idle)])
         self._thread = threading.Thread(target=self._run, name="edgespec-verifier", daemon=True)
         self._thread.start()
 
@@ -160,6 +168,7 @@ class VerifierCore:
                 if job is not False:
                     jobs.append(job)
             self._expire_waiting()
+            self._guard_memory()
             if time.monotonic() - last_sweep > 1.0:
                 self._expire_idle()
                 last_sweep = time.monotonic()
@@ -298,6 +307,34 @@ class VerifierCore:
         fed = [session.tokens[-1]] + req.draft.tolist()
         return session, (session.seq, fed, len(fed))
 
+    # -- memory (under --budget) --------------------------------------------------------------------
+
+    def _guard_memory(self) -> None:
+        """Between passes: the guard sheds idle sessions under pressure; past that it stops new sessions."""
+        if self.memory_guard is not None:
+            try:
+                self.memory_guard.check()
+            except EdgespecError:  # nothing left to shed: new sessions are refused (not admitting)
+                pass
+
+    def _idle(self) -> list[Session]:
+        now = time.monotonic()
+        return [s for s in self.sessions.values()
+                if now - s.last_used > self.config.idle_shed_s and s.id not in self._waiting]
+
+    def _idle_bytes(self) -> int:
+        """What shedding idle sessions frees: their histories (Python ints, about 36 bytes a token). Their
+        KV cells go back to the pool, which llama.cpp allocated at load: they make room for new sessions,
+        not resident memory."""
+        return sum(36 * len(s.tokens) + 200 for s in self._idle())
+
+    def _shed_idle(self) -> str:
+        idle = self._idle()
+        for session in idle:
+            self._drop(session)
+        self.counters["shed"] = self.counters.get("shed", 0) + len(idle)
+        return f"shed {len(idle)} idle sessions"
+
     def _grammar(self, req: SessionRequest) -> Grammar | None:
         """The session's grammar (None unconstrained), built as the engine builds it and walked over the
         output so far; 422 `bad_constraint` when no output can match it or the history does not."""
@@ -316,6 +353,9 @@ class VerifierCore:
         return grammar
 
     def _new_session(self, owner: str, req: SessionRequest, busy: set[str], grammar: Grammar | None) -> Session:
+        if self.memory_guard is not None and not self.memory_guard.admitting:
+            raise ProtocolError(503, "overloaded", "the verifier is near its memory budget and takes no new "
+                                                   "sessions now; retry later")
         if not self.free_seqs:
             victim = next((s for s in self.sessions.values() if s.id not in busy), None)  # least recently used
             if victim is None:

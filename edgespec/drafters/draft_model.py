@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgespec.drafters.base import Draft, DrafterKind, DrafterSpec, _second_choice, _softmax, _top_probability, with_siblings
+from edgespec.drafters.base import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, _second_choice, _softmax, _top_probability, with_siblings
 from edgespec.runtimes.base import Runtime, common_prefix_length, sync_to
 from edgespec.sampling import Sampler
 
@@ -19,11 +19,14 @@ class DraftModelDrafter:
     """
 
     name = "draft"
+    released = False  # set when a memory guard unloads the model: running generations draft nothing from it
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
 
     def prepare(self, context: np.ndarray) -> None:
+        if self.released:
+            return
         kept = sync_to(self.runtime, context[:-1])
         if kept < len(context) - 1:
             self.runtime.decode(context[kept:-1], 0)
@@ -31,11 +34,15 @@ class DraftModelDrafter:
     def unseen(self, context: np.ndarray) -> int:
         """Tokens of `context` the draft model would have to evaluate before drafting (its catch-up):
         the whole prompt when it was never prepared (auto prefills it only once it first pays)."""
+        if self.released:
+            return 0
         return len(context) - common_prefix_length(self.runtime.tokens, context)
 
     def propose(self, context: np.ndarray, k: int, sampler: Sampler, gate=None, branch=None) -> Draft:
         """Draft a chain of up to k tokens; `branch(n_nodes, p_alt, reach)` may add, at a position,
         the draft's second choice as a sibling leaf, turning the chain into a tree verified in one pass."""
+        if self.released:
+            return EMPTY_DRAFT
         kept = sync_to(self.runtime, context)
         if kept == len(context):  # everything seen: re-evaluate the last token to get its row
             self.runtime.truncate(kept - 1)

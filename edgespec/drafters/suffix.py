@@ -76,6 +76,16 @@ class SuffixHistory:
         self._lengths.clear()
         self._corpus = np.zeros(0, dtype=np.int32)
 
+    def shrink(self, limit: int) -> None:
+        """Keep at most `limit` tokens from now on, the newest outputs; the old array is let go, so its
+        memory goes back (a memory guard's step)."""
+        self.limit = max(1, int(limit))
+        lengths, held, drop = self._lengths, len(self), 0
+        while lengths and held > self.limit:
+            n = lengths.popleft()
+            held, drop = held - n, drop + n + 1
+        self._corpus = self._corpus[drop:].copy() if drop else self._corpus  # a copy: a view would keep the old
+
     def add(self, tokens) -> None:
         tokens = np.asarray(tokens, dtype=np.int32)[-self.limit:]
         if len(tokens) < 2:  # nothing to learn a continuation from

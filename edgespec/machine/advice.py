@@ -382,7 +382,19 @@ def doctor_document(report: HardwareReport) -> dict[str, Any]:
     """`edgespec doctor --json`: the hardware report plus advice, one JSON-ready object."""
     doc = report.to_dict()
     doc["advice"] = [dataclasses.asdict(a) for a in advise(report)]
+    doc["memory_guard"] = guard_ladder()
     return doc
+
+
+def guard_ladder() -> list[dict]:
+    """Under --budget, what the run-time guard frees, in order, with the defaults (the draft's share
+    depends on the model: `edgespec plan --budget` says it)."""
+    from edgespec.machine.guard import default_estimates, ladder_rows
+
+    return ladder_rows(default_estimates(None), {
+        "saved_state": "serve's prefix cache when full (--prefix-cache-mb)",
+        "suffix_history": "a full history (--history-limit)",
+        "draft_model": "its weights, KV and buffers: see `edgespec plan --budget`", "refuse": "the last step"})
 
 
 def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
@@ -467,6 +479,11 @@ def render_doctor(doc: dict[str, Any], console: Any = None) -> None:
     row("device key", doc["device_key"], "edgespec.machine.hardware.device_key")
     row("memory kind / GPU layers", f"{doc['memory_kind']} / {doc['gpu_layers']}", "edgespec.machine.hardware")
     console.print(table)
+    if doc.get("memory_guard"):
+        from edgespec.machine.guard import ladder_lines
+
+        lines = ladder_lines(doc["memory_guard"])
+        console.print(Text("\n".join(["under --budget, as memory runs short, the guard frees in order:"] + lines[1:])))
     for a in doc["advice"]:
         console.print(Text.assemble((a["topic"], "bold"), ": ", a["message"]))
         if a["command"]:

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Iterator
 
 from edgespec.errors import EdgespecError
+from edgespec.machine.guard import (DEFAULT_PREFIX_CACHE_BYTES, default_estimates, ladder_lines, ladder_rows,
+                                    offer_engine_steps, release_draft)  # release_draft: its old home
 from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
 
@@ -119,7 +121,8 @@ class Plan:
                "breakdown": self.prediction.breakdown(), "settings": self.settings.to_dict(),
                "budget_bytes": self.budget_bytes, "gpu_budget_bytes": self.gpu_budget_bytes,
                "margin_bytes": self.margin_bytes, "memory_kind": self.hardware.kind,
-               "target": self.target, "draft": self.draft, "notes": list(self.notes)}
+               "target": self.target, "draft": self.draft, "notes": list(self.notes),
+               "guard_ladder": self.guard_ladder()}
         if self.prediction.device:
             out["predicted_gpu_peak_bytes"] = self.prediction.device_peak_bytes
         if not self.fits:
@@ -167,7 +170,18 @@ class Plan:
                 if value:
                     lines.append(f"    {pool:4} {name:26} {format_bytes(value):>12}")
         lines += [f"  note: {n}" for n in self.notes]
+        lines += ladder_lines(self.guard_ladder())
         return lines
+
+    def guard_ladder(self) -> list[dict]:
+        """What the run-time guard's steps free about, under this plan (edgespec.machine.guard.LADDER)."""
+        draft = draft_bytes(self)
+        notes = {"saved_state": "serve's prefix cache when full (--prefix-cache-mb)",
+                 "suffix_history": "a full history (--history-limit)",
+                 "draft_model": "its weights, KV and buffers" if draft else "no draft in this plan",
+                 "refuse": "the last step"}
+        return ladder_rows(default_estimates(draft or 0, self.prediction.host.get("reserved") or
+                                             DEFAULT_PREFIX_CACHE_BYTES), notes)
 
 
 def _margin(peak: int) -> int:
@@ -371,11 +385,11 @@ def apply_budget(target: str | os.PathLike | None, draft: str | os.PathLike | No
         holder: dict = {}
         guard = MemoryGuard(budget_b, gpu_budget_bytes=the_plan.gpu_budget_bytes if hw.kind == "discrete" else None,
                             max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes,
-                            release_draft=(lambda: release_draft(holder["engine"])) if draft_rt else None,
                             device_baseline=device_baseline,
                             device_allocated=lambda: _device_bytes(holder["engine"]))
         engine = Engine(target_rt, draft_rt, memory_guard=guard)
         holder["engine"] = engine
+        offer_engine_steps(guard, engine, draft_bytes(the_plan))
     except BaseException:
         target_rt.close()
         if draft_rt is not None:
@@ -389,10 +403,11 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
                           n_threads: int | None = None, verbose: bool = False, reserve_bytes: int = 0):
     """`serve --parallel N --budget B`: plan the N slots' pool, load exactly that; (ParallelEngine, plan).
 
-    No memory guard watches the slots at run time (each request's KV is bounded by its slot); the
-    plan's peak is the one a full pool and N verify passes reach.
+    The plan's peak is the one a full pool and N verify passes reach; a `MemoryGuard` (the engine's
+    `memory_guard`) covers the rest at run time, checked between the scheduler's steps.
     """
     from edgespec import loader
+    from edgespec.machine.guard import MemoryGuard
     from edgespec.machine.memory import current_rss, parse_size
     from edgespec.runtimes import llamacpp
     from edgespec.serve.slots import ParallelEngine, slot_context
@@ -412,10 +427,14 @@ def apply_budget_parallel(target: str | os.PathLike | None, draft: str | os.Path
     target_rt, draft_rt = loader.open_llamacpp_pair(target_path, t_opts, draft_path if s.draft else None, d_opts,
                                                     n_seq=parallel)
     try:
-        return ParallelEngine(target_rt, draft_rt, slot_ctx=per_slot), the_plan
+        engine = ParallelEngine(target_rt, draft_rt, slot_ctx=per_slot)
     except BaseException:
         target_rt.close()
         raise
+    # one guard for the process, checked between the scheduler's steps (edgespec.serve.slots)
+    engine.memory_guard = MemoryGuard(budget_b, max_draft=s.max_draft, predicted_peak_bytes=the_plan.predicted_peak_bytes)
+    offer_engine_steps(engine.memory_guard, engine, draft_bytes(the_plan))
+    return engine, the_plan
 
 
 def _resolve(target: str | os.PathLike | None, draft: str | os.PathLike | None) -> tuple[Path, Path | None]:
@@ -441,13 +460,13 @@ def _device_bytes(engine) -> int:
     return sum(sum(rt.device_buffers().values()) for rt in (engine.target, engine.draft_runtime) if rt is not None)
 
 
-def release_draft(engine) -> None:
-    """Drop an engine's draft model and give its memory back (the guard's last resort before stopping)."""
-    runtime = engine.draft_runtime
-    engine.drafters.pop("draft", None)
-    engine.draft_runtime = None
-    if runtime is not None:
-        runtime.close()
+def draft_bytes(the_plan: Plan) -> int | None:
+    """What the plan predicts the draft model holds resident (weights, KV, buffers; not load-time peaks)."""
+    if not the_plan.settings.draft:
+        return None
+    transient = ("repack_staging",)
+    return sum(v for k, v in the_plan.prediction.host.items()
+               if k.startswith("draft.") and k.split(".", 1)[1] not in transient) or None
 
 
 def plan_for_cli(target: str | None, draft: str | None, *, budget: str, gpu_budget: str | None = None,

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edgespec.serve.aio import AsyncEngine, AsyncGeneration, QueueFullError, RequestTimeoutError
 from edgespec.engine import MAX_TOP_LOGPROBS, Engine, GenerationConfig, GenerationResult, TokenLogprob
 from edgespec.errors import ContextOverflowError, EdgespecError
+from edgespec.machine.guard import MemoryBudgetError
 from edgespec.serve.prefix_cache import PrefixCache
 from edgespec.runtimes.base import GrammarVocabulary, SavedState
 from edgespec.serve.slots import ParallelEngine, SlotScheduler, StepFailedError
@@ -195,6 +196,11 @@ class _Service:
         # A prefix cache keeps KV blobs: a runtime that cannot save its KV (layered ONNX, Core ML) serves without one.
         saves = all(SavedState in rt.capabilities for rt in (engine.target, engine.draft_runtime) if rt is not None)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 and saves else None
+        guard = (parallel or engine).memory_guard
+        if guard is not None and self.prefix_cache is not None:  # under --budget: the first thing it sheds
+            from edgespec.machine.guard import PrefixCacheReleaser
+
+            guard.offer(PrefixCacheReleaser(self.prefix_cache))
         self.started = int(time.time())
         # Refuse a bad mode now, and let `auto` measure its costs before the first request.
         self.mode, _ = engine.policy_for(GenerationConfig(mode=config.mode, draft_max=config.draft_max))
@@ -402,8 +408,9 @@ class _Service:
     def submit(self, prompt_ids: list[int], config: GenerationConfig) -> AsyncGeneration:
         try:
             return self.queue.submit(prompt_ids, config, timeout=self.config.timeout_s)
-        except QueueFullError as exc:
-            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        except QueueFullError as exc:  # a full queue, or the memory guard not admitting (code memory_pressure)
+            raise ApiError(429, str(exc), "rate_limit_error", code=getattr(exc, "code", "queue_full"),
+                           headers={"Retry-After": "1"}) from None
 
     # -- generations to responses -----------------------------------------------------------------
 
@@ -488,6 +495,8 @@ def _result_or_raise(task: asyncio.Future) -> GenerationResult:
         raise ApiError(400, str(exc), code="context_length_exceeded") from None
     except StepFailedError as exc:  # the model failed, not the request: another try may pass
         raise ApiError(503, str(exc), "server_error", code="unavailable", headers={"Retry-After": "1"}) from None
+    except MemoryBudgetError as exc:  # the guard refused work at the budget: the process, not the request
+        raise ApiError(503, str(exc), "server_error", code="memory_budget", headers={"Retry-After": "5"}) from None
     except EdgespecError as exc:
         raise ApiError(400, str(exc)) from None
 

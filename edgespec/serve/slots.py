@@ -49,6 +49,12 @@ class SlotsError(EdgespecError):
     """Parallel slots that cannot be set up as asked."""
 
 
+class MemoryPressureError(QueueFullError):
+    """Under --budget the memory guard stopped admitting requests (HTTP 429, code memory_pressure)."""
+
+    code = "memory_pressure"
+
+
 class StepFailedError(EdgespecError):
     """llama.cpp failed a batched pass (out of compute memory or KV cells): the requests in it end,
     the slots are freed, the server keeps serving (HTTP 503: retry)."""
@@ -82,6 +88,7 @@ class ParallelEngine:
         self.draft_runtime = draft
         self.n_slots = target.n_seq
         self.slot_ctx = slot_ctx
+        self.memory_guard = None  # under --budget: one MemoryGuard for the process (edgespec.machine.guard)
         if slot_ctx * self.n_slots > target.n_ctx:  # then a full slot could not overflow the pool
             raise SlotsError(f"{self.n_slots} slots of {slot_ctx} tokens do not fit a pool of {target.n_ctx} cells")
         from edgespec.drafters.suffix import SuffixHistory
@@ -206,6 +213,10 @@ class SlotScheduler(Submitter):
             raise EdgespecError("the engine is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
         gen = AsyncGeneration(next(self._ids), list(prompt_ids), config, deadline, asyncio.get_running_loop())
+        guard = self.engine.memory_guard
+        if guard is not None and not guard.still_admitting():
+            self.counters["rejected"] += 1
+            raise MemoryPressureError(guard.refusal())
         with self._count_lock:
             if self._inflight >= self.n_slots + self.max_queue:
                 self.counters["rejected"] += 1
@@ -236,15 +247,27 @@ class SlotScheduler(Submitter):
                 return
             if self.active:
                 try:
+                    self._guard_memory()
                     self._step()
                 except Exception as exc:  # noqa: BLE001 - never let the worker die: fail the slots, keep serving
                     for slot in self.slots:
                         if slot.gen is not None:
                             self._fail(slot, exc)
 
+    def _guard_memory(self) -> None:
+        """Between steps: the process's memory guard frees what it can under pressure (a MemoryBudgetError
+        fails the running requests: the worker's handler)."""
+        guard = self.engine.memory_guard
+        if guard is not None:
+            guard.check()
+
+    def _admitting(self) -> bool:
+        guard = self.engine.memory_guard
+        return guard is None or guard.admitting or not self.active  # an idle server always takes one
+
     def _admit(self, stopping: bool) -> bool:
         """Move queued requests into free slots; wait for one only when nothing runs. Returns stopping."""
-        while not stopping and any(s.gen is None for s in self.slots):
+        while not stopping and any(s.gen is None for s in self.slots) and self._admitting():
             try:
                 gen = self._jobs.get(block=not self.active)
             except queue.Empty:
