@@ -206,7 +206,7 @@ def load_checkpoint(spec: str | os.PathLike, *, gguf_only: bool = False) -> Chec
         if gguf_only and arch in known:
             family = LLAMA_CPP_FAMILY
         else:
-            gguf = (f"; GGUF export (--format gguf) also converts it with llama.cpp's converter" if arch in known
+            gguf = ("; GGUF export (--format gguf) also converts it with llama.cpp's converter" if arch in known
                     else f"; GGUF export also converts the {len(known)} architectures llama.cpp's converter knows")
             raise CheckpointError(f"{path.name}: architecture {arch!r} is not supported by the exporters; "
                                   f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}{gguf}")

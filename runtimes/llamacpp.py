@@ -598,7 +598,7 @@ class LlamaCppRuntime(TokenSequence):
         return self._decode(ids, rows)
 
     def _decode(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        n, n_logits = len(ids), len(rows)
+        n_logits = len(rows)
         if not self._ctx:  # closed (a memory guard dropped this draft model): fail clearly, never in C
             raise EdgespecError(f"{self.path.name} was closed; it can no longer evaluate tokens")
         rows_max = self.options.n_outputs_max
