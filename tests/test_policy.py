@@ -262,7 +262,9 @@ def test_auto_with_a_gpu_like_profile_speculates_losslessly(gpu_like_engine, smo
     reference.close()
 
 
-def test_auto_on_this_cpu_never_predicts_a_loss(smollm2_path):
+def test_auto_measures_a_cost_curve_from_plain_to_k_16(smollm2_path):
+    """What it checks: auto on this CPU measures its pass costs at 1 .. 17 rows. (It was named "never predicts
+    a loss", which it cannot check; test_never_predicts_below_plain_decoding checks the prediction.)"""
     with Engine(load_runtime(smollm2_path)) as engine:
         result = engine.generate("Write a limerick.", max_tokens=16, temperature=0, mode="auto")
         profile = engine.cost_profile()
