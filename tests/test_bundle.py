@@ -180,18 +180,18 @@ def test_bad_inputs_give_one_line_and_leave_nothing(hf_tiny, tmp_path):
     no_config = work / "no-config"
     shutil.copytree(hf_tiny["llama"], no_config)
     (no_config / "config.json").unlink()
-    gpt2 = work / "gpt2"
-    shutil.copytree(hf_tiny["llama"], gpt2)
-    cfg = json.loads((gpt2 / "config.json").read_text())
-    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
-    (gpt2 / "config.json").write_text(json.dumps(cfg))
+    unknown = work / "unknown-arch"
+    shutil.copytree(hf_tiny["llama"], unknown)
+    cfg = json.loads((unknown / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["NoSuchLMHeadModel"], "nosuch"  # GPT-2 now converts (llama.cpp)
+    (unknown / "config.json").write_text(json.dumps(cfg))
     target = str(hf_tiny["llama"])
     outs = tmp_path / "outs"
     outs.mkdir()
     cases = [
         ([str(no_config)], "no config.json"),
         ([str(work / "absent")], "checkpoint directory not found"),
-        ([str(gpt2)], "architecture 'GPT2LMHeadModel' is not supported"),
+        ([str(unknown)], "architecture 'NoSuchLMHeadModel' is not supported"),
         ([target, "--draft", str(hf_tiny["smollm"])], "draft's tokenizer does not match the target's"),
         ([target, "--draft", str(hf_tiny["qwen2"])], "draft's tokenizer does not match the target's"),
         ([target, "--quant", "q9_9"], "unknown quantization 'q9_9'"),
