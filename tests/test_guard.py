@@ -5,8 +5,11 @@ the resident set every 10 ms under a budget just above what the target alone nee
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,7 +147,19 @@ class RssSampler:
 def test_under_load_the_parallel_server_stays_under_a_budget_for_the_target_alone(smollm2_path, smollm2_draft):
     """4 slots, target + draft loaded, a prefix cache and a suffix history growing; the budget is just
     above what the target alone holds. The guard sheds the cache, the history and the draft, stops
-    admitting when it must (429 naming memory), and the resident set never crosses the budget."""
+    admitting when it must (429 naming memory), and the resident set never crosses the budget.
+
+    Run in a fresh interpreter, as a server runs: a budget bounds the process's resident set, and the
+    test process carries every earlier test's heap (in the full suite freed memory stayed resident
+    there and every request was refused)."""
+    code = ("import test_guard; test_guard.parallel_server_under_budget("
+            f"{str(smollm2_path)!r}, {str(smollm2_draft)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def parallel_server_under_budget(smollm2_path: str, smollm2_draft: str) -> None:
     import httpx
 
     from edgespec.machine.guard import offer_engine_steps
