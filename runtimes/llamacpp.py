@@ -190,6 +190,7 @@ class LlamaCppOptions:
     use_mmap: bool = True
     extra_buffers: bool = True  # llama.cpp's repacked CPU weight layouts (faster matmuls); see README on AMX
     load_mtp: bool = False     # also load the model's NextN (MTP) layers (LlamaCppMtpRuntime sets it)
+    kv_unified: bool = True    # False: each sequence its own KV stream of n_ctx / n_seq_max cells
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -472,7 +473,7 @@ class LlamaCppRuntime(TokenSequence):
         cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
         cparams.n_seq_max = options.n_seq_max
         cparams.n_rs_seq = SNAPSHOT_WINDOW  # llama.cpp sets it to 0 for architectures without the snapshots
-        cparams.kv_unified = True  # sequences (tree branches, sessions) share one pool of cells
+        cparams.kv_unified = options.kv_unified  # sequences (tree branches, sessions) share one pool of cells
         cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
         cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
         cparams.n_threads = n_threads
@@ -890,10 +891,13 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, quant: str, *, n_th
 class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     """One model and up to `n_seq` independent KV sequences in one llama.cpp context.
 
-    The sequences share one unified pool of n_ctx KV cells (`kv_unified=True`; with separate
-    streams the memory grows n_seq times and every copy moves a whole stream), so plan n_ctx for the
-    sum of the sequences' lengths. `decode_batch` evaluates tokens of several sequences in one
-    llama_decode call: that is how a verifier batches the work of concurrent sessions.
+    Each sequence has its own KV stream of n_ctx / n_seq cells (`kv_unified=False`, as llama-server's
+    `--parallel` runs; llama.cpp rounds each stream up to a multiple of 256 cells), so a sequence's
+    attention reads its own cells only and its rows do not depend on what the other sequences hold:
+    with one pool shared by all (`streams=False`) 4 of 8 concurrent greedy answers equalled their solo
+    answers on SmolLM2, with a stream each 7 of 8 (bench/PARALLEL_AGREEMENT.md). The memory is the same
+    n_ctx cells either way. `decode_batch` evaluates tokens of several sequences in one llama_decode
+    call: that is how a verifier batches the work of concurrent sessions.
 
     Flash attention is off unless asked for (or a quantized V cache needs it): with it, results
     depend on the order of a sequence's cells in the pool, which interleaving sessions scramble.
@@ -906,7 +910,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8,
-                 identity: dict | None = None):
+                 identity: dict | None = None, streams: bool = True):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
         if options.flash_attn is None and options.type_v in ("f32", "f16", "bf16"):
@@ -915,7 +919,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
             # other results (up to ~1.3 logits on SmolLM2 in tests) than the in-order cells of a
             # session alone. Without flash attention the order does not matter.
             options = replace(options, flash_attn=False)
-        super().__init__(path, replace(options, n_seq_max=n_seq), identity=identity)
+        super().__init__(path, replace(options, n_seq_max=n_seq, kv_unified=not streams), identity=identity)
         self.n_seq = n_seq
         self._seq_tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
@@ -938,7 +942,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
 
     @property
     def cells_used(self) -> int:
-        """KV cells held by all sequences together (the unified pool has n_ctx of them)."""
+        """KV cells held by all sequences together (their streams have n_ctx of them)."""
         return sum(len(t) for t in self._seq_tokens)
 
     def seq_truncate(self, seq: int, n: int) -> None:

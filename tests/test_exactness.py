@@ -102,6 +102,25 @@ def test_recording_changes_nothing(tiny):
     assert on.tokens == off.tokens
 
 
+def test_passes_spilled_to_a_directory_read_back_and_check_as_recorded(tiny, tmp_path):
+    """Recorder(spill=DIR), how a server in another process is audited (Ray replicas, serve --verifier
+    --audit-dir): the passes read back are the ones recorded, and the same checks pass or fail on them."""
+    with audited_engine(tiny, "good_draft") as engine:
+        kept, passes = generate(engine, PROMPT, CHAIN, "draft", seed=5)
+        engine.recorder = Recorder(spill=tmp_path)
+        spilled = engine.generate_tokens(PROMPT, GenerationConfig(max_tokens=32, mode="draft", draft_max=4, seed=5,
+                                                                  **CHAIN))
+    assert engine.recorder.passes == []  # nothing held in memory
+    read = Recorder.read(tmp_path)
+    assert spilled.tokens == kept.tokens and len(read) == len(passes)
+    assert len({p.key for p in read}) == 1
+    for a, b in zip(read, passes):
+        assert a.decision == b.decision and a.uniforms == b.uniforms and np.array_equal(a.logits, b.logits)
+    assert check_decisions(read, PROMPT, spilled.tokens) == len(read)
+    with pytest.raises(ExactnessError):
+        check_decisions(read, PROMPT, spilled.tokens[:-1] + [spilled.tokens[-1] + 1])
+
+
 # --- negative controls: each check must fail on a known bug -----------------------------------------
 
 def near_argmax(gap):
@@ -199,15 +218,17 @@ def test_negative_control_rows_off_by_one_fail_the_row_check(tiny, fresh):
 
 # --- parallel slots: concurrent requests, one batched pass per step ---------------------------------
 
-def run_slots(tiny, sampling, mode, prompts=PROMPTS, fault=None, max_tokens=24):
-    """Every prompt submitted at once to 4 slots; returns {prompt: (result, passes)} and the counters."""
+def run_slots(tiny, sampling, mode, prompts=PROMPTS, fault=None, max_tokens=24, streams=True):
+    """Every prompt submitted at once to 4 slots; returns {prompt: (result, passes)} and the counters.
+    `streams=False`: the slots share one unified KV pool instead of a stream each."""
     from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
     from edgespec.serve.slots import ParallelEngine, SlotScheduler
 
     options = LlamaCppOptions(n_ctx=2048, n_threads=1)
     recorder = Recorder()
-    with ParallelEngine(LlamaCppMultiSeqRuntime(tiny["target"], options, n_seq=4),
-                        LlamaCppMultiSeqRuntime(tiny["good_draft"], options, n_seq=4), slot_ctx=512) as engine:
+    with ParallelEngine(LlamaCppMultiSeqRuntime(tiny["target"], options, n_seq=4, streams=streams),
+                        LlamaCppMultiSeqRuntime(tiny["good_draft"], options, n_seq=4, streams=streams),
+                        slot_ctx=512) as engine:
         for e in engine.engines:
             e.recorder = recorder  # every slot's passes run in the scheduler's one worker thread
         if fault is not None:
@@ -272,8 +293,10 @@ def reads_another_slots_cells(target):
 
 
 def test_negative_control_a_slot_reading_another_slots_cells_fails_the_row_check(tiny, fresh_pool):
+    """On a unified pool (streams=False), where one slot's cells can be tagged with another's sequence;
+    with a stream per slot llama.cpp keeps a sequence's attention inside its own stream."""
     faulted = []
-    runs, _ = run_slots(tiny, GREEDY, "draft", prompts=PROMPTS[:4],
+    runs, _ = run_slots(tiny, GREEDY, "draft", prompts=PROMPTS[:4], streams=False,
                         fault=lambda target: faulted.append(reads_another_slots_cells(target)))
     (src, dst), = faulted[0]
     passes = []
