@@ -20,7 +20,10 @@ shapes; the spread among those shapes is the bound, measured by the same call, n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import pickle
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -109,10 +112,40 @@ class ReplayRng:
 
 class Recorder:
     """Collects `VerifyPass`es. Not thread-safe; give each worker thread's engines one of their own
-    (the slot scheduler's passes all run in its one worker thread)."""
+    (the slot scheduler's passes all run in its one worker thread).
 
-    def __init__(self):
+    With `spill`, a directory, every pass is appended to `spill/audit-<pid>.pkl` instead of being kept
+    in memory: how a server in another process (a Ray Serve replica, `serve --verifier --audit-dir`)
+    is audited from outside; `Recorder.read(spill)` loads them back in order."""
+
+    def __init__(self, spill: str | Path | None = None):
         self.passes: list[VerifyPass] = []
+        self.spill = None
+        if spill is not None:
+            Path(spill).mkdir(parents=True, exist_ok=True)
+            self.spill = Path(spill) / f"audit-{os.getpid()}.pkl"
+
+    def _keep(self, p: VerifyPass) -> None:
+        if self.spill is None:
+            self.passes.append(p)
+            return
+        if not isinstance(p.key, (str, int)):  # an engine's state: its identity names the generation
+            p = replace(p, key=f"{type(p.key).__name__}@{id(p.key):x}")
+        with self.spill.open("ab") as f:
+            pickle.dump(p, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def read(spill: str | Path) -> list[VerifyPass]:
+        """Every pass spilled under `spill`, file by file (one per process), each in recorded order."""
+        out: list[VerifyPass] = []
+        for path in sorted(Path(spill).glob("audit-*.pkl")):
+            with path.open("rb") as f:
+                while True:
+                    try:
+                        out.append(pickle.load(f))
+                    except (EOFError, pickle.UnpicklingError):  # the end, or a record cut by a killed process
+                        break
+        return out
 
     def rule(self, rule: Callable, *, key: Hashable, committed: np.ndarray, logits: np.ndarray,
              held: np.ndarray, seq: int = 0, greedy: bool, tree: bool = False, skipped: Sequence[int] = ()) -> Callable:
@@ -134,10 +167,10 @@ class Recorder:
             else:
                 parents, fed, positions = None, held[len(held) - m:], np.arange(len(held) - m, len(held))
                 nodes, probs = np.asarray(draft), draft_probs_or_parents
-            self.passes.append(VerifyPass(key, seq, committed, fed.copy(), positions, nodes.copy(), probs,
-                                          parents, logits, rows, greedy, uniforms,
-                                          (list(decision[0]) if tree else int(decision[0]), int(decision[1])),
-                                          tuple(int(j) for j in skipped)))
+            self._keep(VerifyPass(key, seq, committed, fed.copy(), positions, nodes.copy(), probs,
+                                  parents, logits, rows, greedy, uniforms,
+                                  (list(decision[0]) if tree else int(decision[0]), int(decision[1])),
+                                  tuple(int(j) for j in skipped)))
             return decision
 
         return recorded

@@ -593,6 +593,8 @@ def serve(
     idle_timeout: float = typer.Option(600.0, help="--verifier: seconds before an idle session is dropped"),
     rate: float = typer.Option(1000.0, help="--verifier: requests per second allowed per API key"),
     no_batch: bool = typer.Option(False, "--no-batch", help="--verifier: verify one session per llama_decode call"),
+    audit_dir: str = typer.Option(None, "--audit-dir", help="--verifier: record every verify pass under DIR "
+                                  "(edgespec.audit.Recorder.read loads them to check exactness; off by default)"),
     ctx: int = CTX,
     threads: int = THREADS,
     gpu_layers: int = GPU_LAYERS,
@@ -619,6 +621,8 @@ def serve(
 
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise EdgespecError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    if audit_dir and not as_verifier:
+        raise EdgespecError("--audit-dir records the cloud verifier's passes: use it with --verifier")
     port = port if port is not None else (8765 if as_verifier else 8000)
     ray_options = _ray_options(on_ray, replicas, autoscale, ray_address, threads, verbose)
     if ray_options is not None:
@@ -637,7 +641,7 @@ def serve(
         _serve_verifier(target, api_key, host, port, ssl_certfile, ssl_keyfile, max_sessions=max_sessions,
                         session_ctx=session_ctx, idle_timeout=idle_timeout, rate=rate, batch=not no_batch,
                         threads=threads, gpu_layers=gpu_layers, verbose=verbose, ray_options=ray_options,
-                        budget=budget)
+                        budget=budget, audit_dir=audit_dir)
         return
     prefix_bytes = int(prefix_cache_mb * 2**20) if not no_prefix_reuse else 0
     history = _history(history_limit)
@@ -718,13 +722,14 @@ def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, addr
 
 
 def _serve_verifier(target, api_keys, host, port, ssl_certfile, ssl_keyfile, *, max_sessions, session_ctx,
-                    idle_timeout, rate, batch, threads, gpu_layers, verbose, ray_options=None, budget=None) -> None:
+                    idle_timeout, rate, batch, threads, gpu_layers, verbose, ray_options=None, budget=None,
+                    audit_dir=None) -> None:
     from edgespec.cloud.verifier import VerifierConfig, serve as serve_verifier
     from edgespec.machine.memory import parse_size
 
     config = VerifierConfig(api_keys=tuple(api_keys), max_sessions=max_sessions, max_context=session_ctx,
                             idle_timeout_s=idle_timeout, rate_per_s=rate, rate_burst=2 * rate, batch=batch,
-                            budget_bytes=parse_size(budget) if budget else None)
+                            budget_bytes=parse_size(budget) if budget else None, audit_dir=audit_dir)
     if ray_options is not None:
         from edgespec.serve import scaleout
 

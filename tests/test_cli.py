@@ -129,3 +129,8 @@ def test_help_explains_every_option():
     for option in ("--target", "--draft", "--mode", "--max-tokens", "--temperature", "--top-k", "--top-p",
                    "--seed", "--raw", "--json", "--draft-max", "--stop"):
         assert option in proc.stdout
+
+
+def test_audit_dir_without_verifier_is_one_line_and_exit_2(tmp_path):
+    """--audit-dir records the cloud verifier's passes; on the OpenAI server it is refused, not ignored."""
+    assert_user_error(edgespec("serve", "--audit-dir", tmp_path, "--port", "0"), "--audit-dir", "--verifier")

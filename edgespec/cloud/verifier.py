@@ -66,6 +66,7 @@ class VerifierConfig:
     session_id_prefix: str = ""      # Ray Serve replicas put their id here, so a router can find a session's KV
     budget_bytes: int | None = None  # --budget: a MemoryGuard sheds idle sessions, then refuses new ones
     idle_shed_s: float = 5.0         # under memory pressure, sessions idle this long are shed first
+    audit_dir: str | None = None     # record every verify pass there (edgespec.audit; off by default)
 
     def __post_init__(self) -> None:
         if not self.api_keys or any(len(k) < 8 for k in self.api_keys):
@@ -130,6 +131,10 @@ class VerifierCore:
         self._waiting: dict[str, list[tuple[float, _Job]]] = {}
         self._ready: list[_Job] = []
         self.recorder = None  # an edgespec.audit.Recorder records every verify pass; off by default
+        if config.audit_dir:
+            from edgespec.audit import Recorder
+
+            self.recorder = Recorder(spill=config.audit_dir)
         self.memory_guard = None
         if config.budget_bytes:
             from edgespec.machine.guard import CallbackReleaser, MemoryGuard
