@@ -12,7 +12,10 @@ prefix, and the bound is the spread this run measures between evaluating such pr
 shapes (the divergence rows and each request's last row; edgespec.audit.Fresh). A row within it was
 computed from the right cells, and the two answers part at a near-tie that batched arithmetic flipped
 (the gap between the two tokens is printed); a row beyond it would be a slot reading the wrong cells.
-No speed is measured here.
+The same prompts then go to llama-server (built from the llama.cpp llama-cpp-python vendors,
+bench/llama_tools.py) with `--parallel N`: each alone, then all at once, and the count of equal answers
+is published beside edgespec's (`--no-llama-server` skips it). llama-server records no rows, so its
+count comes without the why. No speed is measured here.
 """
 
 from __future__ import annotations
@@ -99,9 +102,42 @@ def agreement(model_path, prompts: list[list[int]], *, parallel: int = 4, tokens
         one.close()
         companion.close()
     identical = sum(r["identical"] for r in rows)
-    return {"model": str(model_path), "parallel": parallel, "requests": len(prompts), "tokens": tokens, "mode": mode,
+    return {"model": str(model_path), "parallel": parallel, "solo": solo, "requests": len(prompts), "tokens": tokens, "mode": mode,
             "identical": identical, "rule_exact": all(r["rule_exact"] for r in rows),
             "batched_steps": counters["batched_steps"], "steps": counters["steps"], "rows": rows}
+
+
+def llama_server_agreement(model_path, prompts: list[list[int]], *, parallel: int = 4, tokens: int = 32,
+                           threads: int = 1, log=None) -> dict:
+    """Solo versus concurrent greedy answers of `prompts` through llama-server `--parallel N`: the same
+    server answers each prompt alone, then all at once (flash attention off, as edgespec's pool runs)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+
+    from edgespec.bench.llama_tools import ensure_tools
+    from edgespec.bench.serve_bench import running
+
+    server = str(ensure_tools(("llama-server",)) / "llama-server")
+    cmd = [server, "-m", str(model_path), "--port", "{port}", "--host", "127.0.0.1", "-c", str(parallel * 1024),
+           "-np", str(parallel), "-t", str(threads), "-tb", str(threads), "-fa", "off", "--no-webui"]
+    log = Path(log or "bench/out/parallel_agreement_llama_server.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with running(cmd, log) as url:
+        def complete(prompt: list[int]) -> list[int]:
+            body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False,
+                    "return_tokens": True, "ignore_eos": False}
+            r = httpx.post(f"{url}/completion", json=body, timeout=600)
+            r.raise_for_status()
+            return list(r.json()["tokens"])
+
+        solo = [complete(p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(complete, prompts))
+    identical = sum(a == b for a, b in zip(solo, together))
+    return {"command": " ".join(cmd), "parallel": parallel, "requests": len(prompts), "tokens": tokens,
+            "identical": identical, "solo": solo, "concurrent": together}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="ar")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--no-llama-server", action="store_true", help="edgespec only")
     args = p.parse_args(argv)
 
     from edgespec.bench.run import load_prompts
@@ -124,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     with Engine(LlamaCppRuntime(path, LlamaCppOptions(n_ctx=512, n_threads=1))) as e:
         prompts = [e.prompt_tokens(list(x.messages)) for x in load_prompts()[:args.requests]]
     out = agreement(path, prompts, parallel=args.parallel, tokens=args.tokens, mode=args.mode, threads=args.threads)
+    if not args.no_llama_server:
+        peer = llama_server_agreement(path, prompts, parallel=args.parallel, tokens=args.tokens, threads=args.threads)
+        peer["solo_equals_edgespec_solo"] = sum(a == b for a, b in zip(peer["solo"], out["solo"]))
+        out["llama_server"] = peer
     print(summary(out))
     if args.json:
         with open(args.json, "w") as f:
@@ -143,6 +184,10 @@ def summary(out: dict) -> str:
                          f"its row is {r['row_deviation']:.3g} from a fresh evaluation of its prefix (batch-shape "
                          f"spread measured in this run {r['bound']:.3g}); solo token leads by "
                          f"{'n/a' if gap is None else f'{gap:.3g}'} logit: {r['why']}")
+    if peer := out.get("llama_server"):
+        lines.append(f"llama-server --parallel {peer['parallel']} on the same prompts: {peer['identical']} of "
+                     f"{peer['requests']} concurrent answers equal its solo answer; its solo answers equal "
+                     f"edgespec's for {peer['solo_equals_edgespec_solo']} of {peer['requests']}")
     return "\n".join(lines)
 
 
