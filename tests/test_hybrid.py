@@ -241,3 +241,31 @@ def test_parallel_slots_on_a_hybrid_are_exact(models, arch):
     print(f"\n{arch} slots: {check_rows(passes, fresh)}")
     fresh.runtime.close()
     pool.close()
+
+
+@pytest.mark.slow  # about a minute per architecture: 2 x 1500 sampled generations
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_keeps_the_targets_distribution_through_recurrent_rollback(models, arch, smollm2_path):
+    """Chi-square of the first three sampled tokens against the exact joint, drafted by SmolLM2 (same
+    vocabulary, other weights: most drafts rejected, so nearly every round restores a checkpoint);
+    the same test must reject a verifier that accepts every draft (the negative control)."""
+    from test_lossless_sampling import ALPHA, SAMPLING, accept_every_draft, chi_square_pvalue, exact_joint
+
+    path, _ = models[arch]
+    with rt(path) as plain:
+        prompt = prompt_of(plain)
+        joint = exact_joint(plain, prompt)
+    with Engine(rt(path), rt(smollm2_path)) as engine:
+        for verifier, exact in ((None, True), (accept_every_draft, False)):
+            samples, drafted, accepted = [], 0, 0
+            for seed in range(1500):
+                result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=3, mode="draft", draft_max=2,
+                                                                         seed=seed, **SAMPLING), verifier=verifier)
+                samples.append(tuple(result.tokens))
+                drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
+            p = chi_square_pvalue(samples, joint)
+            print(f"\n{arch}, verifier {getattr(verifier, '__name__', 'exact')}: chi-square p = {p:.3g}, "
+                  f"accepted {accepted} of {drafted} drafted")
+            if exact:
+                assert drafted > accepted  # rejections happened, so rollback was exercised
+            assert (p > ALPHA) == exact
