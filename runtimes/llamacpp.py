@@ -473,7 +473,7 @@ class LlamaCppRuntime(TokenSequence):
         cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
         cparams.n_seq_max = options.n_seq_max
         cparams.n_rs_seq = SNAPSHOT_WINDOW  # llama.cpp sets it to 0 for architectures without the snapshots
-        cparams.kv_unified = options.kv_unified  # sequences (tree branches, sessions) share one pool of cells
+        cparams.kv_unified = options.kv_unified  # tree branches share one pool; LlamaCppMultiSeqRuntime: a stream each
         cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
         cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
         cparams.n_threads = n_threads
@@ -762,8 +762,11 @@ class LlamaCppRuntime(TokenSequence):
 
     def _cut_within_last_pass(self, seq: int, n: int, held: int) -> bool:
         """Roll `seq` back to n by llama.cpp's own snapshots when it can (within the last pass, inside
-        the window; single-use until the next pass); False: use the checkpoints."""
-        if not (self.snapshot_window and self._last_call_start.get(seq, np.inf) <= n
+        the window; single-use until the next pass); False: use the checkpoints. A cut to the pass's
+        start itself (a new generation reusing the prompt's prefix) goes through the checkpoint saved
+        there: llama.cpp's snapshots follow the tokens of the pass, and cutting them all left a state
+        15 logits off on LFM2 (tests/test_hybrid.py, the chi-square with the q8_0 draft)."""
+        if not (self.snapshot_window and self._last_call_start.get(seq, np.inf) < n
                 and held - n <= self.snapshot_window):
             return False
         if not ll.llama_memory_seq_rm(self._mem, seq, n, -1):

@@ -243,29 +243,48 @@ def test_parallel_slots_on_a_hybrid_are_exact(models, arch):
     pool.close()
 
 
-@pytest.mark.slow  # about a minute per architecture: 2 x 1500 sampled generations
+@pytest.mark.slow  # about two minutes per architecture: 3 x 600 sampled generations
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sampling_keeps_the_targets_distribution_through_recurrent_rollback(models, arch, smollm2_path):
-    """Chi-square of the first three sampled tokens against the exact joint, drafted by SmolLM2 (same
-    vocabulary, other weights: most drafts rejected, so nearly every round restores a checkpoint);
-    the same test must reject a verifier that accepts every draft (the negative control)."""
+    """Chi-square of the first three sampled tokens against the exact joint, with two drafts: the q8_0
+    copy (mostly accepted, sometimes rejected: partial rollbacks) and SmolLM2 (same vocabulary, other
+    weights: every draft rejected, so every round restores a checkpoint); the same test must reject a
+    verifier that accepts every SmolLM2 draft (the negative control)."""
     from test_lossless_sampling import ALPHA, SAMPLING, accept_every_draft, chi_square_pvalue, exact_joint
 
-    path, _ = models[arch]
+    path, copy = models[arch]
     with rt(path) as plain:
         prompt = prompt_of(plain)
         joint = exact_joint(plain, prompt)
-    with Engine(rt(path), rt(smollm2_path)) as engine:
-        for verifier, exact in ((None, True), (accept_every_draft, False)):
+    for draft, verifier, exact in ((copy, None, True), (smollm2_path, None, True),
+                                   (smollm2_path, accept_every_draft, False)):
+        with Engine(rt(path), rt(draft)) as engine:
             samples, drafted, accepted = [], 0, 0
-            for seed in range(1500):
+            for seed in range(600):
                 result = engine.generate_tokens(prompt, GenerationConfig(max_tokens=3, mode="draft", draft_max=2,
                                                                          seed=seed, **SAMPLING), verifier=verifier)
                 samples.append(tuple(result.tokens))
                 drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
-            p = chi_square_pvalue(samples, joint)
-            print(f"\n{arch}, verifier {getattr(verifier, '__name__', 'exact')}: chi-square p = {p:.3g}, "
-                  f"accepted {accepted} of {drafted} drafted")
-            if exact:
-                assert drafted > accepted  # rejections happened, so rollback was exercised
-            assert (p > ALPHA) == exact
+        p = chi_square_pvalue(samples, joint)
+        print(f"\n{arch}, draft {draft.name}, verifier {getattr(verifier, '__name__', 'exact')}: chi-square "
+              f"p = {p:.3g}, accepted {accepted} of {drafted} drafted")
+        if exact:
+            assert drafted > accepted  # rejections happened, so rollback was exercised
+        assert (p > ALPHA) == exact
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_new_generation_reusing_the_prompt_after_a_fully_accepted_pass_reads_the_right_state(models, arch):
+    """The next generation on the same prompt cuts the whole last pass away (prefix reuse, as chat and
+    the server's prefix cache do). Cutting through llama.cpp's per-token snapshots to the pass's very
+    start left LFM2's state 15 logits off; every row must equal a fresh evaluation of its prefix."""
+    path, copy = models[arch]
+    fresh = fresh_for(path)
+    with Engine(rt(path), rt(copy)) as engine:
+        prompt = prompt_of(engine.target)
+        engine.recorder = Recorder()
+        outputs = [engine.generate_tokens(prompt, GenerationConfig(max_tokens=3, mode="draft", draft_max=2,
+                                                                   temperature=0)).tokens for _ in range(3)]
+        print(f"\n{arch}: {check_rows(list(engine.recorder.passes), fresh)}")
+    fresh.runtime.close()
+    assert outputs[0] == outputs[1] == outputs[2]
