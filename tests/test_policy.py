@@ -158,6 +158,34 @@ def test_shadow_scoring_teaches_lookup_without_using_it():
     assert policy.estimates["lookup"].rates[0] > before
 
 
+def test_lookup_states_the_length_of_its_match_as_evidence():
+    lookup = PromptLookupDrafter()
+    sampler = Sampler(SamplingParams(temperature=0), 0)
+    assert lookup.propose(np.array([1, 2, 3, 4, 9, 2, 3, 4]), 4, sampler).evidence == 3    # "2 3 4" seen before
+    assert lookup.propose(np.array([7, 5, 8, 9, 1, 5]), 4, sampler).evidence == 1          # only "5"
+    assert lookup.propose(np.array([1, 2, 3, 4, 9, 2, 3, 4]), 4, sampler).head(2).evidence == 3
+
+
+def test_auto_rates_each_level_of_lookup_evidence_apart():
+    """Copies after a 4-token match always pass, after a 1-token match never: pooled, lookup looks
+    half right at every match; rated by level, auto drafts after the long match and not after the short one."""
+    profile = CostProfile({1: 10 * MS, 2: 15 * MS, 3: 18 * MS, 4: 20 * MS}, None, None, 0.0)
+    lookup = PromptLookupDrafter()
+    policy = AdaptivePolicy(profile, lookup, None, k_max=3)
+    long_match = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4]   # proposes 5 6 7, evidence 4
+    short_match = [20, 21, 22, 30, 31, 32, 20]           # proposes 21 22 30, evidence 1
+    for _ in range(12):  # plain rounds; the shadow proposals are judged against what was emitted
+        for context, truth in ((long_match, [5, 6, 7, 8]), (short_match, [40, 41])):
+            choice = policy.choose(make_state(context))
+            policy.observe(choice, 0, 0, np.array(truth[:1]))  # judged by the shadow proposal alone
+    pooled = policy.estimates["lookup"].rates[:3]
+    assert 0.2 < pooled[0] < 0.8, pooled  # half of all proposals passed: pooled, a coin flip
+    assert policy.choose(make_state(long_match)).drafter is lookup
+    assert policy.choose(make_state(short_match)).drafter is None
+    policy.by_evidence.clear()  # a negative control: without levels every match is rated by the pool
+    assert policy.choose(make_state(long_match)).drafter is policy.choose(make_state(short_match)).drafter
+
+
 def test_shadow_proposals_are_judged_over_later_rounds():
     from edgespec.drafters import Draft
     from edgespec.policy import ShadowScorer

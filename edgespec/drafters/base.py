@@ -37,6 +37,8 @@ class Draft:
     #                  under any tree), not the drafter's
     certain: np.ndarray | None = None  # bool (forced,): forced token i is the only token the grammar
     #                                    admits there, so its row need not be computed (Engine.verify_rows)
+    evidence: int = 0  # how much context backs the proposal (prompt lookup: the n-gram length it
+    #                    matched); auto keeps its acceptance per level. 0 = not stated
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -47,7 +49,7 @@ class Draft:
             return self
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], None,
                      None if self.confidence is None else self.confidence[:n], min(self.forced, n),
-                     None if self.certain is None else self.certain[:n])
+                     None if self.certain is None else self.certain[:n], self.evidence)
 
 
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
