@@ -319,3 +319,34 @@ def test_edgespec_bench_drives_the_race(monkeypatch):
     quick = race.parse_args(seen[-1])
     assert quick.models == "smollm2" and quick.repeats == 2 and quick.no_cpp
     assert race.repeat_order([1, 2, 3], 0) == [1, 2, 3] and race.repeat_order([1, 2, 3], 1) == [3, 2, 1]
+
+
+def test_the_policy_replay_makes_the_rounds_a_real_auto_run_made(smollm2_path):
+    """Replayed on the text a real greedy auto run emitted, the unchanged policy makes the same rounds
+    at the same priced cost: the replay (bench/policy_replay.py) models the engine's loop, not a guess of it."""
+    from edgespec.bench.policy_replay import replay
+    from edgespec.bench.race import shipped_items
+    from edgespec.drafters import DraftSources
+    from edgespec.drafters.suffix import SuffixHistory
+    from edgespec.drafters.table import build_drafters
+    from edgespec.engine import Engine, GenerationConfig
+    from edgespec.policy import AdaptivePolicy
+
+    engine = Engine.load(smollm2_path, n_ctx=2048, n_threads=1)  # lookup and suffix: no draft model
+    # a profile without a key is never corrected by the run's own timings, so both sides price alike
+    engine._profile = profile = CostProfile({1: 10 * MS, 2: 12 * MS, 4: 14 * MS, 8: 20 * MS, 17: 40 * MS},
+                                            None, None, 0.01 * MS, suffix_s=0.02 * MS)
+    [item] = [i for i in shipped_items(1) if i.category == "grounded"]
+    prompt = engine.prompt_tokens(item.messages)
+    fresh = build_drafters(DraftSources(history=SuffixHistory(key=engine.history.key)))  # what the run started with
+    config = GenerationConfig(max_tokens=40, temperature=0.0, seed=0, mode="auto")
+    k_max = engine.policy_for(config)[1].k_max
+    result = engine.generate_tokens(prompt, config)
+    engine.close()
+    assert result.finish_reason == "length" and result.stats.drafted > 0  # it speculated: something to replay
+    text = np.asarray(result.tokens, dtype=np.int64)
+    pricing = orc.Pricing(profile, ("lookup", "suffix"))
+    policy = AdaptivePolicy(profile, *fresh.values(), k_max=k_max)
+    seconds, chosen = replay(policy, np.asarray(prompt, dtype=np.int32), text, orc.Hindsight(text, {}), None, pricing)
+    assert chosen == result.stats.chosen
+    assert seconds == pytest.approx(pricing.run_seconds(result.stats), rel=1e-12)

@@ -1,0 +1,287 @@
+"""Policy replay: auto's choices re-run on fixed greedy texts, priced by a cost profile, beside the oracle.
+
+A race measures auto in wall-clock time, where a 3 % change of policy hides in the machine's noise
+and every try costs minutes. Under greedy decoding the text is fixed (plain decoding's), and so is
+what any drafter's proposal at any position would have had accepted (bench/oracle.py: lookup and
+suffix asked over the same context and history, the draft model by one teacher-forced pass). So the
+policy itself, AdaptivePolicy unchanged, can be run round by round on that text: each round it
+chooses (drafter, k), the replay answers with the tokens the target would have accepted, and the
+round is priced by the cost profile (verify(k + 1), draft tokens, the asks of the model-free
+drafters), as bench/oracle.py prices a real run. No model runs during the replay, so every prompt
+replays in milliseconds and the same profile prices auto, plain and the oracle.
+
+What it does not model: the draft model's confidence gate is fed the teacher-forced confidence of
+the text's own token at each position (the draft's real confidence once its chain left the text
+differs, but those tokens are rejected whatever it says); the draft model's prefill and catch-up
+are not priced (as in bench/oracle.py); a real run's text can differ from plain's at batch-vs-single
+near-ties. tests/test_bench.py checks the replay against the engine: on the text a real auto run
+emitted, the replayed policy makes the same rounds at the same priced cost.
+
+Each prompt is replayed twice: auto as it is, and auto with every lookup proposal rated by lookup's
+pooled acceptance, as it was before it rated each match length apart (PooledPolicy, the ablation).
+
+    python -m edgespec.bench.policy_replay --models qwen --threads 2 [--profile bench/race-head-qwen/results.json]
+                                           [--per-category N] [--out bench/replay-qwen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.bench import oracle
+from edgespec.bench.race import CLASSES, ORACLE_GOAL, oracle_share, shipped_items, structured_items
+from edgespec.bench.run import describe_machine, setups, smollm2_draft
+from edgespec.bench.stats_ci import LEVEL, geomean, geomean_interval
+from edgespec.drafters import DrafterKind, DraftSources
+from edgespec.drafters.suffix import SuffixHistory
+from edgespec.drafters.table import build_drafters, spec_for
+from edgespec.policy import AdaptivePolicy
+from edgespec.sampling import Sampler, SamplingParams
+from edgespec.state import SpeculativeState
+from edgespec.stats import GenerationStats
+
+
+class ReplayedDraftModel:
+    """Stands in for the draft model: the policy asks it only how much of the context it has not seen."""
+
+    name = "draft"
+
+    def __init__(self):
+        self.seen = 0  # tokens of the context in its KV: none until auto first drafts with it
+
+    def unseen(self, context: np.ndarray) -> int:
+        return len(context) - self.seen
+
+
+class PooledPolicy(AdaptivePolicy):
+    """The ablation: auto as it was before evidence levels, every model-free proposal rated by its
+    drafter's pooled estimate (prompt lookup after a 1-token match like one after a 4-token match)."""
+
+    def rates_of(self, name, proposal):
+        return self.estimates[name].rates
+
+
+POLICIES = {"auto": AdaptivePolicy, "pooled": PooledPolicy}
+
+
+@dataclass
+class Replayed:
+    seconds: dict[str, float]                        # priced time of each policy's rounds on the text
+    plain_seconds: float                             # one verify(1) per token
+    oracle_seconds: float
+    choices: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> "drafter:k" -> rounds
+
+    def x(self, policy: str = "auto") -> float:
+        return self.plain_seconds / self.seconds[policy]
+
+    @property
+    def oracle_x(self) -> float:
+        return self.plain_seconds / self.oracle_seconds
+
+
+def replay(policy: AdaptivePolicy, prompt: np.ndarray, text: np.ndarray, h: oracle.Hindsight,
+           draft_confidence: np.ndarray | None, pricing: oracle.Pricing) -> tuple[float, dict[str, int]]:
+    """Auto's rounds on `text` (END-free), answered from the hindsight `h`; its priced seconds and choices."""
+    n_prompt, n = len(prompt), len(text)
+    context = np.zeros(n_prompt + n, dtype=np.int32)
+    context[:n_prompt] = prompt
+    state = SpeculativeState(context, n_prompt, n_prompt, n, Sampler(SamplingParams(temperature=0.0), 0),
+                             GenerationStats("auto"))
+    asks = sum(pricing.ask(d) for d in pricing.model_free)
+    model = {d.name: d for d in policy.drafters if spec_for(d.name).kind is DrafterKind.MODEL}
+    seconds, choices = 0.0, {}
+    while state.n - n_prompt < n:
+        j = state.n - n_prompt
+        choice = policy.choose(state)
+        name = choice.drafter.name if choice.drafter is not None else "none"
+        k = choice.k if choice.drafter is not None else 0
+        if name in model:
+            if choice.gate is not None:  # the draft stops where its confidence gate says
+                product = 1.0
+                for i in range(k - 1):
+                    confidence = float(draft_confidence[min(j + i, n - 1)])
+                    product *= confidence
+                    if not choice.gate(i + 1, confidence, product):
+                        k = i + 1
+                        break
+            accepted = min(k, int(h.accepted[name][j]))
+        elif k:
+            draft = choice.draft if choice.draft is not None else choice.drafter.propose(state.committed, k, state.sampler)
+            k = len(draft)
+            accepted = oracle.accepted_run(draft.tokens, text, j, frozenset())
+        else:
+            accepted = 0
+        pass_s = pricing.verify(k + 1)
+        seconds += pass_s + asks + (pricing.draft(name, k) if name in model else 0.0)
+        key = f"{name if k else 'none'}:{k}"
+        choices[key] = choices.get(key, 0) + 1
+        emitted = text[j:j + accepted + 1]
+        policy.observe(choice, k, accepted, emitted, pass_s=pass_s)
+        context[state.n:state.n + len(emitted)] = emitted
+        state.n += len(emitted)
+        if name in model:
+            model[name].seen = state.n - 1
+    return seconds, choices
+
+
+def teacher_forced_confidence(draft, prompt, text: np.ndarray, chunk: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """The draft model's greedy prediction at each position of `text` and its probability."""
+    draft.truncate(0)
+    if len(prompt) > 1:
+        draft.decode(np.asarray(prompt[:-1], dtype=np.int32), 0)
+    feed = np.asarray([int(prompt[-1])] + [int(t) for t in text], dtype=np.int32)
+    predicted, confidence = np.empty(len(feed), dtype=np.int64), np.empty(len(feed))
+    for start in range(0, len(feed), chunk):
+        rows = draft.decode(feed[start:start + chunk], len(feed[start:start + chunk])).astype(np.float64)
+        rows -= rows.max(axis=1, keepdims=True)
+        p = np.exp(rows)
+        predicted[start:start + len(rows)] = p.argmax(axis=1)
+        confidence[start:start + len(rows)] = p.max(axis=1) / p.sum(axis=1)
+    draft.truncate(0)
+    return predicted[:len(text)], confidence[:len(text)]
+
+
+def plain_texts(engine, items, max_tokens: int, cache: Path) -> dict[str, list[int]]:
+    """Plain greedy text of every item (the target runs here, once; kept in `cache`)."""
+    from edgespec.engine import GenerationConfig
+
+    texts = json.loads(cache.read_text()) if cache.exists() else {}
+    for item in items:
+        if item.id not in texts:
+            engine.target.truncate(0)
+            result = engine.generate_tokens(engine.prompt_tokens(item.messages),
+                                            GenerationConfig(max_tokens=max_tokens, temperature=0.0, seed=0, mode="ar"))
+            texts[item.id] = [int(t) for t in result.tokens]
+            print(f"  plain text of {item.id}: {len(result.tokens)} tokens", file=sys.stderr, flush=True)
+            cache.write_text(json.dumps(texts))
+    return texts
+
+
+def run(engine, profile, items, texts: dict[str, list[int]], k_max: int) -> dict[str, Replayed]:
+    """Every item replayed in its group's order, each with the suffix history of the items before it."""
+    model_free = tuple(n for n in engine.drafters if spec_for(n).kind is DrafterKind.COPIES)
+    pricing = oracle.Pricing(profile, model_free)
+    greedy = Sampler(SamplingParams(temperature=0.0), 0)
+    out: dict[str, Replayed] = {}
+    history: dict[str, list[list[int]]] = {}
+    for item in items:
+        prompt = np.asarray(engine.prompt_tokens(item.messages), dtype=np.int32)
+        text = np.asarray(texts[item.id], dtype=np.int64)
+        before = SuffixHistory(key=engine.history.key)
+        for earlier in history.setdefault(item.group, []):
+            before.add(np.asarray(earlier, dtype=np.int32))
+        drafters = build_drafters(DraftSources(history=before))
+        h = oracle.hindsight(prompt, text, frozenset(), k_max, model_free={n: drafters[n] for n in model_free},
+                             sampler=greedy)
+        confidence = None
+        if engine.draft_runtime is not None:
+            predicted, confidence = teacher_forced_confidence(engine.draft_runtime, prompt, text)
+            h.accepted["draft"] = oracle.runs_of_matches(predicted, text)
+        candidates = [drafters[n] for n in model_free] + ([ReplayedDraftModel()] if "draft" in h.accepted else [])
+        # the engine's order: its drafters as the table builds them
+        candidates.sort(key=lambda d: list(engine.drafters).index(d.name))
+        best = oracle.oracle(h, pricing, k_max)
+        out[item.id] = Replayed({}, best.plain_seconds, best.seconds)
+        for name, cls in POLICIES.items():
+            for d in candidates:
+                if isinstance(d, ReplayedDraftModel):
+                    d.seen = 0
+            seconds, choices = replay(cls(profile, *candidates, k_max=k_max), prompt, text, h, confidence, pricing)
+            out[item.id].seconds[name], out[item.id].choices[name] = seconds, choices
+        history[item.group].append(texts[item.id])
+    return out
+
+
+def summarize(items, replayed: dict[str, Replayed]) -> dict:
+    by_class: dict[str, dict] = {}
+    for cls in [c for c in CLASSES if any(i.category == c for i in items)] + ["overall"]:
+        mine = [replayed[i.id] for i in items if cls in ("overall", i.category)]
+        auto_x, oracle_x = geomean([r.x() for r in mine]), geomean([r.oracle_x for r in mine])
+        by_class[cls] = {"prompts": len(mine), **oracle_share(auto_x, oracle_x),
+                         "worst_auto_x": min(r.x() for r in mine), "pooled_x": geomean([r.x("pooled") for r in mine]),
+                         "worst_pooled_x": min(r.x("pooled") for r in mine),
+                         "auto_over_pooled": geomean_interval([r.x() / r.x("pooled") for r in mine]).__dict__}
+    return by_class
+
+
+def render(doc: dict) -> str:
+    lines = ["# Policy replay: auto's choices on plain's greedy text, priced (no timing noise)", "",
+             f"Command: `{doc['command']}`  ", f"Machine (whose cost profile prices it): {doc['machine']['cpu']}; "
+             f"profile: verify(n) " + ", ".join(f"{k}: {1e3 * v:.1f} ms" for k, v in doc['profile']['verify_s'].items())
+             + (f"; draft {1e3 * doc['profile']['draft_s']:.1f} ms/token" if doc['profile'].get('draft_s') else ""), "",
+             "Auto x plain and the oracle x plain are geometric means over prompts of priced speedups; share: "
+             f"auto's gain as a fraction of the oracle's (goal {ORACLE_GOAL}). This is a model of a run, not a "
+             "timing: bench/race.py measures the same policy in wall-clock time.", "",
+             "Pooled: the same policy with every lookup proposal rated by lookup's pooled estimate, as auto "
+             "was before it rated each match length apart (Draft.evidence).", "",
+             f"Auto / pooled: geometric mean over prompts with a {LEVEL:.0%} bootstrap interval (prompts resampled).", "",
+             "| class | prompts | auto x plain | worst prompt | pooled x plain | worst prompt | auto / pooled | oracle x plain | auto's share of the oracle's gain |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for cls, s in doc["summary"].items():
+        share = "-" if s["fraction"] is None else f"{s['fraction']:.2f}"
+        ap = s["auto_over_pooled"]
+        lines.append(f"| {cls} | {s['prompts']} | {s['auto_x']:.3f} | {s['worst_auto_x']:.3f} | {s['pooled_x']:.3f} "
+                     f"| {s['worst_pooled_x']:.3f} | {ap['value']:.3f} ({ap['low']:.3f}-{ap['high']:.3f}) "
+                     f"| {s['oracle_x']:.3f} | {share} |")
+    lines += ["", "| prompt | class | auto x plain | pooled x plain | oracle x plain | auto chose (rounds per drafter:k) |",
+              "|---|---|---:|---:|---:|---|"]
+    for item_id, r in doc["prompts"].items():
+        top = ", ".join(f"{k} {v}" for k, v in sorted(r["choices"].items(), key=lambda kv: -kv[1])[:4])
+        lines.append(f"| {item_id} | {r['category']} | {r['auto_x']:.3f} | {r['pooled_x']:.3f} | {r['oracle_x']:.3f} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m edgespec.bench.policy_replay", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="qwen", choices=("qwen", "smollm2"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--per-category", type=int, default=None, help="shipped prompts per category [all]")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="a race's results.json whose cost profile prices the replay [measure one now]")
+    p.add_argument("--out", type=Path, default=Path("bench/out/replay"))
+    args = p.parse_args(argv)
+
+    from edgespec.engine import Engine
+    from edgespec.machine.profile import CostProfile
+    from edgespec.models import store
+
+    t0 = time.time()
+    [setup] = setups(args.models)
+    draft = smollm2_draft() if setup.draft == "smollm2-q4_0" else store.resolve(setup.draft)
+    engine = Engine.load(store.resolve(setup.target), draft, n_ctx=4096, n_threads=args.threads, trees=False)
+    if args.profile:
+        [profile_dict] = [v for k, v in json.loads(args.profile.read_text())["profiles"].items()
+                          if k == f"{setup.name} t={args.threads}"]
+        profile = CostProfile.from_dict(profile_dict)
+    else:
+        profile = engine.cost_profile(refresh=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    items = shipped_items(args.per_category) + structured_items()
+    texts = plain_texts(engine, items, args.max_tokens, args.out / f"texts-{setup.name}.json")
+    k_max = AdaptivePolicy(profile).k_max
+    replayed = run(engine, profile, items, texts, k_max)
+    engine.close()
+    doc = {"command": "python -m edgespec.bench.policy_replay " + " ".join(argv), "machine": describe_machine(),
+           "seconds": round(time.time() - t0, 1), "profile": profile.to_dict(),
+           "summary": summarize(items, replayed),
+           "prompts": {i.id: {"category": i.category, "auto_x": replayed[i.id].x(), "pooled_x": replayed[i.id].x("pooled"),
+                              "oracle_x": replayed[i.id].oracle_x, "choices": replayed[i.id].choices["auto"]}
+                       for i in items}}
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    (args.out / "results.md").write_text(render(doc))
+    print(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
