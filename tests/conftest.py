@@ -78,13 +78,13 @@ def smollm2_hf(smollm2_path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hybrid_ggufs(smollm2_path, tmp_path_factory) -> dict[str, Path]:
     """Tiny random-weight LFM2, Qwen3-Next (with its MTP block) and Granite 4 (Mamba-2) GGUFs with
-    SmolLM2's vocabulary, converted by llama.cpp's own convert_hf_to_gguf.py (tests/hybrid_models.py)."""
-    from hybrid_models import ARCHITECTURES, hybrid_gguf
+    SmolLM2's vocabulary, converted by llama.cpp's own convert_hf_to_gguf.py (bench/hybrid_models.py)."""
+    from edgespec.bench.hybrid_models import ARCHITECTURES, hybrid_gguf
 
     import os
 
     # EDGESPEC_HYBRID_DIR keeps them between runs (files named by architecture and seed; delete the
-    # folder after changing tests/hybrid_models.py)
+    # folder after changing bench/hybrid_models.py)
     root = Path(os.environ["EDGESPEC_HYBRID_DIR"]) if os.environ.get("EDGESPEC_HYBRID_DIR") else \
         tmp_path_factory.mktemp("hybrid")
     return {arch: hybrid_gguf(arch, root, smollm2_path) for arch in ARCHITECTURES}

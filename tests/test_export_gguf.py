@@ -284,8 +284,8 @@ def test_smollm2_requantized_agrees_with_the_original_file(smollm2_roundtrip, sm
 
 @pytest.mark.parametrize("arch", ["qwen3", "lfm2", "qwen3next", "granitehybrid"])
 def test_export_of_a_checkpoint_llama_cpp_converts_loads_and_generates(hybrid_ggufs, smollm2_path, arch, tmp_path):
-    """Qwen3 and the hybrids (tests/hybrid_models.py) go through llama.cpp's converter, then our quantize."""
-    from hybrid_models import write_hybrid_checkpoint
+    """Qwen3 and the hybrids (bench/hybrid_models.py) go through llama.cpp's converter, then our quantize."""
+    from edgespec.bench.hybrid_models import write_hybrid_checkpoint
 
     from edgespec.engine import Engine, GenerationConfig
     from edgespec.exporters.gguf_export import export_gguf

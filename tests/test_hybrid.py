@@ -1,6 +1,6 @@
 """Hybrid recurrent models (LFM2, Qwen3-Next, Granite 4 / Mamba-2) speculate exactly.
 
-The models are tiny random-weight ones of the real architectures (tests/hybrid_models.py), converted
+The models are tiny random-weight ones of the real architectures (bench/hybrid_models.py), converted
 by llama.cpp's own converter. A rejected draft must leave no trace in the recurrent state: the
 runtime restores a checkpoint and replays the accepted tokens (runtimes/llamacpp.py,
 RecurrentCheckpoints). Checked with the engine's exactness checks (edgespec.audit): every decision
@@ -288,3 +288,23 @@ def test_a_new_generation_reusing_the_prompt_after_a_fully_accepted_pass_reads_t
         print(f"\n{arch}: {check_rows(list(engine.recorder.passes), fresh)}")
     fresh.runtime.close()
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_the_hybrid_bench_measures_rollback_state_and_auto(hybrid_ggufs, tmp_path):
+    """bench/hybrid_bench.py end to end on the tiny LFM2 (the bench itself runs the realistic widths):
+    every cost measured, the planner reserving the state and its snapshots, auto priced and raced."""
+    import json
+
+    from edgespec.bench import hybrid_bench
+
+    out = tmp_path / "HYBRID.md"
+    assert hybrid_bench.main(["--archs", "lfm2", "--size", "tiny", "--no-qwen", "--repeats", "1", "--max-tokens", "8",
+                              "--threads", "1", "--models-dir", str(hybrid_ggufs["lfm2"].parent), "--out", str(out)]) == 0
+    [row] = json.loads(out.with_suffix(".json").read_text())["models"]
+    assert row["recurrent"] and row["state_bytes"] >= row["planner_state_bytes"] > 0
+    for key in ("checkpoint_s", "restore_s", "pass_s", "cut_by_snapshots_s", "restore_and_replay_s"):
+        assert row[key] > 0, key
+    assert row["planner_recurrent_bytes"] >= row["planner_state_bytes"] * (1 + row["snapshot_window"])
+    assert row["choices"]["priced@0.9"]["x_plain"] >= 1.0  # auto never predicts below plain
+    assert set(row["race"]["per_prompt"]) == set(hybrid_bench.PROMPTS)
+    assert "rollback by snapshots" in out.read_text()
