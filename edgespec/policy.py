@@ -19,7 +19,9 @@ round with them emits f + E(k) tokens for verify(f + k + 1): every choice, plain
 Where the rates come from: the model-free drafters (DrafterKind.COPIES: prompt lookup, suffix) cost
 nearly nothing to ask, so every round asks each of them for its longest proposal, used or not, and
 scores it against the tokens later rounds commit (ShadowScorer). Their estimates therefore cover
-every position up to the longest k, whatever was drafted. A draft model (DrafterKind.MODEL) is
+every position up to the longest k, whatever was drafted; a proposal that states its evidence (prompt
+lookup: the length of the match it copies after) is rated by that level's record, shrunk toward the
+drafter's pooled one (EvidenceEstimate). A draft model (DrafterKind.MODEL) is
 scored on what it drafted. A drafter that states a confidence per token (suffix) is rated by that
 confidence as calibrated against what the target accepted (ConfidenceCalibration).
 

@@ -13,10 +13,12 @@ class PromptLookupDrafter:
     propose what followed it (Saxena 2023; llama.cpp's lookup). Costs a vectorised scan, no model.
 
     The longest match wins (n from `ngram_max` down to `ngram_min`), the latest among equals; the
-    draft never runs past the end of the context. Its length is the proposal's evidence: on the race's
-    texts a copy after a 1-token match had its first token accepted 19-34 % of the time, after a
-    4-token match 69-82 % (bench/policy_replay.py), so auto rates each match length apart. Auto asks it every round, so one scan for the last
+    draft never runs past the end of the context. Auto asks it every round, so one scan for the last
     token and then at most ngram_max - 1 compares over the candidates it found, not a scan per n.
+
+    The match's length is the proposal's evidence (Draft.evidence): on the race's texts a copy after a
+    1-token match had its first token accepted 19-34 % of the time, after a 4-token match 69-82 %
+    (bench/policy_replay.py), so auto rates each match length apart.
     """
 
     name = "lookup"
