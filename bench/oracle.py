@@ -103,6 +103,12 @@ def runs_of_matches(predicted: np.ndarray, text: np.ndarray) -> np.ndarray:
 def teacher_forced(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], chunk: int = 32) -> np.ndarray:
     """The draft model's greedy prediction at each position of `text` given the prompt and the text
     before it: one pass over the committed text (in chunks of `chunk` logits rows). Leaves its KV empty."""
+    return teacher_forced_confidence(draft, prompt, text, eog, chunk)[0]
+
+
+def teacher_forced_confidence(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int] = frozenset(),
+                              chunk: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """teacher_forced's predictions, and the draft's probability of each (its confidence there)."""
     tokens = [int(t) for t in text if t != END]
     rows_max = draft.sizing.n_outputs_max
     chunk = min(chunk, rows_max) if rows_max else chunk
@@ -110,14 +116,17 @@ def teacher_forced(draft, prompt: Sequence[int], text: np.ndarray, eog: frozense
     if len(prompt) > 1:
         draft.decode(np.asarray(prompt[:-1], dtype=np.int32), 0)
     feed = [int(prompt[-1])] + tokens  # row i predicts text[i]
-    predicted = np.empty(len(feed), dtype=np.int64)
+    predicted, confidence = np.empty(len(feed), dtype=np.int64), np.empty(len(feed))
     for start in range(0, len(feed), chunk):
         piece = np.asarray(feed[start:start + chunk], dtype=np.int32)
-        predicted[start:start + len(piece)] = draft.decode(piece, len(piece)).argmax(axis=1)
+        rows = draft.decode(piece, len(piece)).astype(np.float64)
+        predicted[start:start + len(piece)] = rows.argmax(axis=1)
+        rows = np.exp(rows - rows.max(axis=1, keepdims=True))
+        confidence[start:start + len(piece)] = 1.0 / rows.sum(axis=1)  # the top row's softmax
     draft.truncate(0)
     if eog:
         predicted = np.where(np.isin(predicted, list(eog)), END, predicted)
-    return predicted[:len(text)]
+    return predicted[:len(text)], confidence[:len(text)]
 
 
 @dataclass

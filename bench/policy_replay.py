@@ -131,23 +131,6 @@ def replay(policy: AdaptivePolicy, prompt: np.ndarray, text: np.ndarray, h: orac
     return seconds, choices
 
 
-def teacher_forced_confidence(draft, prompt, text: np.ndarray, chunk: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """The draft model's greedy prediction at each position of `text` and its probability."""
-    draft.truncate(0)
-    if len(prompt) > 1:
-        draft.decode(np.asarray(prompt[:-1], dtype=np.int32), 0)
-    feed = np.asarray([int(prompt[-1])] + [int(t) for t in text], dtype=np.int32)
-    predicted, confidence = np.empty(len(feed), dtype=np.int64), np.empty(len(feed))
-    for start in range(0, len(feed), chunk):
-        rows = draft.decode(feed[start:start + chunk], len(feed[start:start + chunk])).astype(np.float64)
-        rows -= rows.max(axis=1, keepdims=True)
-        p = np.exp(rows)
-        predicted[start:start + len(rows)] = p.argmax(axis=1)
-        confidence[start:start + len(rows)] = p.max(axis=1) / p.sum(axis=1)
-    draft.truncate(0)
-    return predicted[:len(text)], confidence[:len(text)]
-
-
 def plain_texts(engine, items, max_tokens: int, cache: Path) -> dict[str, list[int]]:
     """Plain greedy text of every item (the target runs here, once; kept in `cache`)."""
     from edgespec.engine import GenerationConfig
@@ -182,7 +165,7 @@ def run(engine, profile, items, texts: dict[str, list[int]], k_max: int) -> dict
                              sampler=greedy)
         confidence = None
         if engine.draft_runtime is not None:
-            predicted, confidence = teacher_forced_confidence(engine.draft_runtime, prompt, text)
+            predicted, confidence = oracle.teacher_forced_confidence(engine.draft_runtime, prompt, text)
             h.accepted["draft"] = oracle.runs_of_matches(predicted, text)
         candidates = [drafters[n] for n in model_free] + ([ReplayedDraftModel()] if "draft" in h.accepted else [])
         # the engine's order: its drafters as the table builds them
