@@ -1,7 +1,7 @@
 """Throughput under a memory budget: the Qwen pair from "everything fits" down to "target alone".
 
     python -m edgespec.bench.budget_bench [--target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b]
-        [--points 6] [--max-tokens 128] [--repeats 2] [--out bench/BUDGET_RESULTS]
+        [--points 6] [--max-tokens 128] [--repeats 3] [--out bench/BUDGET_RESULTS]
     python -m edgespec.bench.budget_bench --quick      # smoke: SmolLM2 as its own draft, 3 budgets, 8 tokens
 
 The two ends come from the memory plan (edgespec.machine.planner): "everything fits" is the predicted
@@ -16,7 +16,10 @@ without a draft; --points budgets are spread between them. Each budget runs in a
 Each reports tokens/s (greedy, --mode auto, the same prompts), the peak resident set (a thread sampling
 /proc/self/statm every 10 ms, and VmHWM), what the guard gave up, what the plan dropped, and how the
 process ended: never a crash or an OOM kill (a refused generation, MemoryBudgetError, is reported as
-such). Results go to OUT.md and OUT.json. Throughput kept is relative to the "everything fits" guard run.
+such). The whole ladder runs --repeats times, in reverse order every other time, so drift in the
+machine falls on every budget alike. Throughput kept is each run's tokens/s over the same repeat's
+"everything fits" guard run: the geometric mean over repeats with a 90 % bootstrap interval
+(bench/stats_ci.py). Results go to OUT.md and OUT.json.
 """
 
 from __future__ import annotations
@@ -92,11 +95,10 @@ def run_point(point: dict) -> dict:
                 out["load_peak_rss_bytes"] = sampler.peak  # guard way: loaded for the larger budget first
                 sampler.peak = 0
                 engine.cost_profile()
-                for _ in range(point["repeats"]):
-                    for prompt in PROMPTS:
-                        result = engine.generate(prompt, config)
-                        generated += result.stats.generated
-                        decode_s += result.stats.decode_s
+                for prompt in PROMPTS:
+                    result = engine.generate(prompt, config)
+                    generated += result.stats.generated
+                    decode_s += result.stats.decode_s
             except MemoryBudgetError as exc:
                 out.update(outcome="refused", reason=str(exc))
             out["draft_at_end"] = engine.draft_runtime is not None
@@ -133,26 +135,59 @@ def budgets(target: str, draft: str, ctx: int, points: int) -> tuple[list[int], 
                                                          "draft_planned_bytes": hi - lo}
 
 
-def render(rows: list[dict], ends: dict, args) -> str:
-    base = next((r.get("tokens_per_s") for r in rows if r["way"] == "guard" and r.get("tokens_per_s")), None)
-    lines = [f"# Throughput under a memory budget ({args.target} + {args.draft})", "",
-             f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
-             f"{platform.system()}, {args.threads} thread(s), ctx {args.ctx}, greedy --mode auto, "
-             f"{len(PROMPTS)} prompts x {args.repeats} x {args.max_tokens} tokens.", "",
-             f"Everything fits: {ends['everything_fits_bytes'] / MiB:.0f} MiB; target alone: "
-             f"{ends['target_alone_bytes'] / MiB:.0f} MiB (the plan's predicted peaks plus margins).", "",
-             "| budget MiB | way | tokens/s | kept | peak RSS MiB | under budget | guard dropped | plan | outcome |",
-             "|---:|---|---:|---:|---:|---|---|---|---|"]
-    for r in rows:
-        tps = r.get("tokens_per_s")
-        kept = f"{tps / base:.2f}x" if tps and base else "-"
-        peak = r.get("peak_rss_bytes")
-        lines.append(f"| {r['budget_bytes'] / MiB:.0f} | {r['way']} | {tps if tps is not None else '-'} | {kept} | "
-                     f"{peak / MiB:.0f} | {r.get('under_budget', '-')} | {', '.join(r.get('guard_dropped', [])) or '-'} "
-                     f"| {'; '.join(r.get('plan_notes', [])) or '-'} | {r['outcome']} |" if peak else
-                     f"| {r['budget_bytes'] / MiB:.0f} | {r['way']} | - | - | - | - | - | - | {r['outcome']} |")
-    lines += ["", f"Command: `python -m edgespec.bench.budget_bench {' '.join(sys.argv[1:])}`", ""]
-    return "\n".join(lines)
+def summarize(rows: list[dict]) -> list[dict]:
+    """One line per (budget, way) over the repeats: median tokens/s, kept (each repeat's tokens/s over
+    that repeat's "everything fits" guard run) as a geometric mean with its interval, the worst peak."""
+    from edgespec.bench.stats_ci import geomean_interval
+
+    base = {r["repeat"]: r["tokens_per_s"] for r in rows
+            if r["way"] == "guard" and r["budget_bytes"] == max(x["budget_bytes"] for x in rows) and r.get("tokens_per_s")}
+    lines = []
+    for key in dict.fromkeys((r["budget_bytes"], r["way"]) for r in rows):
+        runs = [r for r in rows if (r["budget_bytes"], r["way"]) == key]
+        speeds = [r["tokens_per_s"] for r in runs if r.get("tokens_per_s")]
+        ratios = [r["tokens_per_s"] / base[r["repeat"]] for r in runs if r.get("tokens_per_s") and r["repeat"] in base]
+        peaks = [r["peak_rss_bytes"] for r in runs if r.get("peak_rss_bytes")]
+        lines.append({
+            "budget_bytes": key[0], "way": key[1], "runs": len(runs),
+            "tokens_per_s": float(sorted(speeds)[len(speeds) // 2]) if speeds else None,
+            "kept": geomean_interval(ratios).to_dict() if ratios else None,
+            "peak_rss_bytes": max(peaks) if peaks else None,
+            "under_budget": all(r.get("under_budget") for r in runs),
+            "draft_kept": all(r.get("draft_at_end") for r in runs),
+            "guard_dropped": sorted({step for r in runs for step in r.get("guard_dropped", [])}),
+            "plan_notes": sorted({note for r in runs for note in r.get("plan_notes", [])}),
+            "outcomes": sorted({r["outcome"] for r in runs})})
+    return lines
+
+
+def render(lines: list[dict], ends: dict, args) -> str:
+    out = [f"# Throughput under a memory budget ({args.target} + {args.draft})", "",
+           f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
+           f"{platform.system()}, {args.threads} thread(s), ctx {args.ctx}, greedy --mode auto, "
+           f"{len(PROMPTS)} prompts x {args.max_tokens} tokens per run, the ladder {args.repeats} times "
+           f"(reversed every other time), each run a fresh process.", "",
+           f"Everything fits: {ends['everything_fits_bytes'] / MiB:.0f} MiB; target alone: "
+           f"{ends['target_alone_bytes'] / MiB:.0f} MiB (the plan's predicted peaks plus margins).", "",
+           "Kept: tokens/s over the same repeat's 'everything fits' guard run, geometric mean over repeats "
+           "(90 % bootstrap interval); peak: the largest over repeats.", "",
+           "| budget MiB | way | runs | tokens/s (median) | kept (90 % interval) | peak RSS MiB | under budget "
+           "| draft kept | guard dropped | plan | outcome |",
+           "|---:|---|---:|---:|---|---:|---|---|---|---|---|"]
+    for r in lines:
+        kept = r["kept"]
+        kept = f"{kept['value']:.3f} ({kept['low']:.3f}-{kept['high']:.3f})" if kept else "-"
+        peak = f"{r['peak_rss_bytes'] / MiB:.0f}" if r["peak_rss_bytes"] else "-"
+        out.append(f"| {r['budget_bytes'] / MiB:.0f} | {r['way']} | {r['runs']} | {r['tokens_per_s'] or '-'} | {kept} "
+                   f"| {peak} | {r['under_budget']} | {r['draft_kept']} | {', '.join(r['guard_dropped']) or '-'} "
+                   f"| {'; '.join(r['plan_notes']) or '-'} | {', '.join(r['outcomes'])} |")
+    with_draft = [r for r in lines if r["draft_kept"] and r["kept"]]
+    if with_draft:
+        low = min(r["kept"]["low"] for r in with_draft)
+        out += ["", f"Goal (issue 25): >= 0.95x while the draft still fits: lowest interval bound over the "
+                    f"{len(with_draft)} runs that kept the draft {low:.3f}: {'met' if low >= 0.95 else '**not met**'}."]
+    out += ["", f"Command: `python -m edgespec.bench.budget_bench {' '.join(sys.argv[1:])}`", ""]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--points", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the whole ladder, reversed every other time")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ways", default="guard,plan", help="comma list of guard, plan")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per budget point")
@@ -175,24 +210,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.target = args.draft = "smollm2-135m"
-        args.points, args.max_tokens, args.repeats, args.ctx = 3, 8, 1, 512
+        args.points, args.max_tokens, args.repeats, args.ctx = 3, 8, 2, 512
         args.threads = args.threads or 1
     ladder, ends = budgets(args.target, args.draft, args.ctx, args.points)
+    points = [(budget, way) for budget in ladder for way in args.ways.split(",")]
     rows = []
-    for budget in ladder:
-        for way in args.ways.split(","):
+    for repeat in range(args.repeats):
+        for budget, way in points if repeat % 2 == 0 else points[::-1]:
             point = {"target": args.target, "draft": args.draft, "ctx": args.ctx, "budget": budget,
-                     "load_budget": ladder[0], "way": way, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                     "threads": args.threads}
-            row = _child(point, args.timeout)
+                     "load_budget": ladder[0], "way": way, "max_tokens": args.max_tokens, "threads": args.threads}
+            row = {**_child(point, args.timeout), "repeat": repeat}
             rows.append(row)
-            print(f"budget {budget / MiB:.0f} MiB {way}: {row.get('tokens_per_s')} tok/s, peak "
+            print(f"repeat {repeat} budget {budget / MiB:.0f} MiB {way}: {row.get('tokens_per_s')} tok/s, peak "
                   f"{(row.get('peak_rss_bytes') or 0) / MiB:.0f} MiB, guard dropped {row.get('guard_dropped')}, "
                   f"{row['outcome']}", file=sys.stderr, flush=True)
+    lines = summarize(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"ends": ends, "args": vars(args), "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(render(rows, ends, args))
+    out.with_suffix(".json").write_text(json.dumps({"ends": ends, "args": vars(args), "summary": lines,
+                                                    "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(render(lines, ends, args))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
     return 1 if any(r["outcome"].startswith("crashed") for r in rows) else 0
 

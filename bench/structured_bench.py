@@ -506,9 +506,12 @@ def parse_args(argv):
     args.repeats = args.repeats or (1 if smoke else 3)
     args.limit = args.limit or (1 if smoke else None)
     args.max_tokens = args.max_tokens or (48 if smoke else None)
-    # The server logs and runs.jsonl (kept as the run goes): beside a report given with --out, else in
-    # bench/out/ (ignored by git), never beside the committed results file.
-    args.out_dir = (args.out.parent if args.out else Path("bench/out")) / "structured-runs"
+    # The server logs and runs.jsonl (kept as the run goes): beside a report given with --out, named
+    # after it (STRUCTURED_RESULTS_SMOLLM2.md: structured-runs-smollm2), so one report's runs never
+    # overwrite another's; else in bench/out/ (ignored by git).
+    name = args.out.stem.lower().replace("_", "-") if args.out else ""
+    name = name.removeprefix("structured-results").lstrip("-")
+    args.out_dir = (args.out.parent if args.out else Path("bench/out")) / "-".join(["structured-runs"] + [name] * bool(name))
     args.out = args.out or Path("bench/out/structured-smoke.md" if smoke else "bench/STRUCTURED_RESULTS.md")
     args.systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.threads is None:
