@@ -404,13 +404,12 @@ def test_concurrent_cloud_sessions_stay_exact_on_their_own_rows(tiny, fresh_pool
     for i, result in results.items():
         assert result.stats.offline_tokens == 0
         check_decisions(by_prompt[tuple(PROMPTS[i])], PROMPTS[i], result.tokens)
-    # Which sessions share a llama_decode call here depends on timing, so the fresh shapes cannot
-    # reproduce these passes' batch shapes and their spread is no bound for them (a run measured 0.00063
-    # against 0.00058). The row-context check of a shared pool is asserted where the shapes are known
-    # (the parallel slots test and its wrong-cells control); here it is published, not asserted.
-    report = check_rows(list(core.recorder.passes), fresh_pool, raise_on_failure=False)
-    print(f"\ncloud, 4 concurrent sessions ({core.counters['multi_session_calls'] - shared_before} shared calls): "
-          f"every verified token exact; rows (published): {report}")
+    # Each session has its own KV stream (LlamaCppMultiSeqRuntime), so which sessions share a pass
+    # (timing decides) changes only the pass's row count, and the fresh shapes vary that (pads, a
+    # second sequence beside it); with one unified pool it also moved cells and this bound did not hold.
+    shared = core.counters["multi_session_calls"] - shared_before
+    report = check_rows(list(core.recorder.passes), fresh_pool)
+    print(f"\ncloud, 4 concurrent sessions ({shared} shared calls): every verified token exact; {report}")
 
 
 # --- ONNX Runtime ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from conftest import load_runtime
 from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
 from edgespec.cloud.verifier import VerifierConfig
 from edgespec.engine import Engine, GenerationConfig
-from edgespec.audit import Recorder, check_decisions
+from edgespec.audit import Recorder, check_decisions, check_rows
 from test_lossless_greedy import PROMPTS
 
 GREEDY = dict(temperature=0.0, mode="ar")
@@ -146,6 +146,20 @@ def ray_verifier(smollm2_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def smol_fresh(smollm2_path):
+    """Fresh evaluations computed as a replica computes (as tests/test_exactness.py's fresh_pool): a 512-cell
+    stream per sequence."""
+    from edgespec.audit import Fresh
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    runtime = load_runtime(smollm2_path, n_ctx=512, n_threads=1, flash_attn=False)
+    pool = LlamaCppMultiSeqRuntime(smollm2_path, LlamaCppOptions(n_ctx=1024, n_threads=1), n_seq=2)
+    yield Fresh(runtime, pool)
+    runtime.close()
+    pool.close()
+
+
+@pytest.fixture(scope="module")
 def smol_target(smollm2_path):
     engine = Engine(load_runtime(smollm2_path, n_threads=1, flash_attn=False))  # computes as the verifier does
     yield engine
@@ -157,7 +171,8 @@ def session_ids(client) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_replicas_serve_eight_sessions_and_a_killed_replica_loses_none(ray_verifier, smol_target, smollm2_draft):
+def test_two_replicas_serve_eight_sessions_and_a_killed_replica_loses_none(ray_verifier, smol_target, smollm2_draft,
+                                                                           smol_fresh):
     import ray
 
     from edgespec.serve.scaleout import replica_of
@@ -223,9 +238,15 @@ def test_two_replicas_serve_eight_sessions_and_a_killed_replica_loses_none(ray_v
                 assert final != victim, f"client {j} still names the killed replica"
             if j not in on_victim:  # affinity: a session whose replica lived stayed on it
                 assert s.rebuilds == 0 and final == placed[j], (j, placed[j], session_ids(clients[j]), s.to_dict())
+        # the rows belong to their session's context: the two widest passes (most rows, the likeliest to
+        # have shared a llama_decode call with other sessions) against fresh evaluations (the widest pass
+        # of each of the 8 sessions passed too, but made this test take 19 minutes on 2 cores)
+        widest = sorted((p for own in by_session.values() for p in own), key=lambda p: len(p.logits))[-2:]
+        rows = check_rows(widest, smol_fresh)
         rebuilt = [results[j].stats.rebuilds for j in on_victim if j in running]
         # published, not asserted: batched verification may flip a near-tie against decoding alone
-        print(f"\nevery verified token exact on its replica's rows; {identical}/{n_clients} equal to decoding "
+        print(f"\nevery verified token exact on its replica's rows; the two widest passes: {rows}; "
+              f"{identical}/{n_clients} equal to decoding "
               f"alone; placed {placed}; "
               f"killed {victim} holding clients {on_victim}, their rebuilds {rebuilt}; "
               f"replicas now {ray_verifier.replica_ids()}")
