@@ -185,7 +185,7 @@ def render(lines: list[dict], ends: dict, args) -> str:
     if with_draft:
         low = min(r["kept"]["low"] for r in with_draft)
         out += ["", f"Goal (issue 25): >= 0.95x while the draft still fits: lowest interval bound over the "
-                    f"{len(with_draft)} runs that kept the draft {low:.3f}: {'met' if low >= 0.95 else '**not met**'}."]
+                    f"{len(with_draft)} budget and way settings that kept the draft {low:.3f}: {'met' if low >= 0.95 else '**not met**'}."]
     out += ["", f"Command: `python -m edgespec.bench.budget_bench {' '.join(sys.argv[1:])}`", ""]
     return "\n".join(out)
 
