@@ -153,7 +153,7 @@ def smol_fresh(smollm2_path):
     from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
 
     runtime = load_runtime(smollm2_path, n_ctx=512, n_threads=1, flash_attn=False)
-    pool = LlamaCppMultiSeqRuntime(smollm2_path, LlamaCppOptions(n_ctx=1024, n_threads=1), n_seq=2)
+    pool = LlamaCppMultiSeqRuntime(smollm2_path, LlamaCppOptions(n_ctx=1024, n_threads=1, flash_attn=False), n_seq=2)
     yield Fresh(runtime, pool)
     runtime.close()
     pool.close()
