@@ -140,8 +140,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     that repeat's "everything fits" guard run) as a geometric mean with its interval, the worst peak."""
     from edgespec.bench.stats_ci import geomean_interval
 
+    top = max(r["budget_bytes"] for r in rows)
     base = {r["repeat"]: r["tokens_per_s"] for r in rows
-            if r["way"] == "guard" and r["budget_bytes"] == max(x["budget_bytes"] for x in rows) and r.get("tokens_per_s")}
+            if r["way"] == "guard" and r["budget_bytes"] == top and r.get("tokens_per_s")}
     lines = []
     for key in dict.fromkeys((r["budget_bytes"], r["way"]) for r in rows):
         runs = [r for r in rows if (r["budget_bytes"], r["way"]) == key]

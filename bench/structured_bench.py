@@ -509,9 +509,8 @@ def parse_args(argv):
     # The server logs and runs.jsonl (kept as the run goes): beside a report given with --out, named
     # after it (STRUCTURED_RESULTS_SMOLLM2.md: structured-runs-smollm2), so one report's runs never
     # overwrite another's; else in bench/out/ (ignored by git).
-    name = args.out.stem.lower().replace("_", "-") if args.out else ""
-    name = name.removeprefix("structured-results").lstrip("-")
-    args.out_dir = (args.out.parent if args.out else Path("bench/out")) / "-".join(["structured-runs"] + [name] * bool(name))
+    name = args.out.stem.lower().replace("_", "-").removeprefix("structured-results").lstrip("-") if args.out else ""
+    args.out_dir = (args.out.parent if args.out else Path("bench/out")) / ("structured-runs" + (f"-{name}" if name else ""))
     args.out = args.out or Path("bench/out/structured-smoke.md" if smoke else "bench/STRUCTURED_RESULTS.md")
     args.systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.threads is None:

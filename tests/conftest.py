@@ -43,6 +43,18 @@ def load_runtime(path, **options):
     return LlamaCppRuntime(path, LlamaCppOptions(**{"n_ctx": 1024, "n_threads": 2, **options}))
 
 
+def pooled_fresh(path):
+    """Fresh evaluations (edgespec.audit.Fresh) computed as a multi-sequence runtime (the verifier, a
+    replica, parallel slots) computes: a one-sequence runtime without flash attention, and a pool with
+    a 512-cell stream per sequence. Returns the Fresh and a function that closes both runtimes."""
+    from edgespec.audit import Fresh
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    runtime = load_runtime(path, n_ctx=512, n_threads=1, flash_attn=False)
+    pool = LlamaCppMultiSeqRuntime(path, LlamaCppOptions(n_ctx=1024, n_threads=1), n_seq=2)
+    return Fresh(runtime, pool), lambda: (runtime.close(), pool.close())
+
+
 # --- Hugging Face checkpoints for the exporter tests (need the `export` extra) -------------------
 
 @pytest.fixture(scope="session")

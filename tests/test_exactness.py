@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import load_runtime
+from conftest import load_runtime, pooled_fresh
 from edgespec.audit import ExactnessError, Fresh, Recorder, check_decisions, check_rows
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.machine.profile import CostProfile
@@ -252,13 +252,9 @@ def run_slots(tiny, sampling, mode, prompts=PROMPTS, fault=None, max_tokens=24, 
 @pytest.fixture(scope="module")
 def fresh_pool(tiny):
     """Fresh evaluations computed as the shared pool computes (no flash attention)."""
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
-
-    runtime = rt(tiny["target"], flash_attn=False)
-    pool = LlamaCppMultiSeqRuntime(tiny["target"], LlamaCppOptions(n_ctx=1024, n_threads=1), n_seq=2)
-    yield Fresh(runtime, pool)
-    runtime.close()
-    pool.close()
+    fresh, close = pooled_fresh(tiny["target"])
+    yield fresh
+    close()
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, pytest.param(CHAIN, marks=pytest.mark.slow)], ids=["greedy", "chain"])

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from cloud_helpers import API_KEY, free_port
-from conftest import load_runtime
+from conftest import load_runtime, pooled_fresh
 from edgespec.cloud.client import CloudEdgeClient, CloudOptions, Gate
 from edgespec.cloud.verifier import VerifierConfig
 from edgespec.engine import Engine, GenerationConfig
@@ -147,16 +147,10 @@ def ray_verifier(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol_fresh(smollm2_path):
-    """Fresh evaluations computed as a replica computes (as tests/test_exactness.py's fresh_pool): a 512-cell
-    stream per sequence."""
-    from edgespec.audit import Fresh
-    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
-
-    runtime = load_runtime(smollm2_path, n_ctx=512, n_threads=1, flash_attn=False)
-    pool = LlamaCppMultiSeqRuntime(smollm2_path, LlamaCppOptions(n_ctx=1024, n_threads=1, flash_attn=False), n_seq=2)
-    yield Fresh(runtime, pool)
-    runtime.close()
-    pool.close()
+    """Fresh evaluations computed as a replica computes."""
+    fresh, close = pooled_fresh(smollm2_path)
+    yield fresh
+    close()
 
 
 @pytest.fixture(scope="module")
