@@ -467,7 +467,7 @@ def test_bundle_self_draft_is_the_listed_quant(exported, tmp_path):
     assert bundles.onnx_draft(exported["llama"]["onnx"]) is None  # not a bundle
 
 
-def test_cost_profile_is_keyed_by_onnx_build_and_provider(exported, tmp_path, monkeypatch):
+def test_cost_profile_is_keyed_by_onnx_build_and_provider_and_shares_the_targets_curve(exported, tmp_path, monkeypatch):
     import onnxruntime
 
     from edgespec.machine.profile import load_or_measure, profile_key
@@ -482,6 +482,9 @@ def test_cost_profile_is_keyed_by_onnx_build_and_provider(exported, tmp_path, mo
     assert measured and profile.draft_s > 0 and min(profile.verify_s.values()) > 0
     assert target.n_past == 0 and draft.n_past == 0
     assert load_or_measure(target, draft, device="cpu-test") == (profile, False)
+    # the target's curve is one measurement with or without the draft (a guard that unloads it, --mode ar)
+    alone, measured = load_or_measure(target, None, device="cpu-test")
+    assert not measured and alone.verify_s == profile.verify_s and alone.draft_s is None
     other = onnx_runtime(exported["llama"]["onnx"], n_threads=2)
     assert profile_key(other, draft, "cpu-test") != key
     for rt in (target, draft, other):

@@ -3,7 +3,10 @@
 The profile holds the target's time to evaluate a batch of n tokens (n = 1 .. K+1: one verify pass
 of k drafted tokens), the draft model's time per drafted token, and prompt lookup's time per
 proposal. It is keyed by model identity, runtime build, device and thread count; a key that
-changes (another model file, a GPU build, more threads) means it is measured again.
+changes (another model file, a GPU build, more threads) means it is measured again. The target's
+costs and the draft model's are cached apart: a target's curve is the same measurement whether or
+not a draft is loaded (a memory guard that unloads the draft, `--mode ar`), so auto weighs the same
+prices with and without it instead of another one-off measurement's noise.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +23,8 @@ import numpy as np
 from edgespec import atomic
 from edgespec.runtimes.base import ModelIdentity, Runtime
 
-PROFILE_VERSION = 5  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
-                     # 5: a recurrent model's rollback (rollback_s)
+PROFILE_VERSION = 6  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
+                     # 5: a recurrent model's rollback (rollback_s); 6: target and draft costs cached apart
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
 
@@ -85,13 +88,28 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     Sizes are timed smallest first and with fewer repeats once the budget runs short, so the
     catalog models profile in well under 3 s here.
     """
+    profile = measure_target_costs(target, max_batch=max_batch, repeats=repeats, budget_s=budget_s)
+    if draft is not None:
+        drafted = measure_draft_costs(draft, repeats=repeats)
+        profile = replace(profile, **drafted, measured_in_s=profile.measured_in_s + drafted["measured_in_s"])
+    return profile
+
+
+def _context(vocab_size: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(100, min(vocab_size, 30000), size=CONTEXT_TOKENS).astype(np.int32)
+
+
+def measure_target_costs(target: Runtime, *, max_batch: int = 17, repeats: int = 3,
+                         budget_s: float = 2.5) -> CostProfile:
+    """The target's passes (and rollback, MTP head) and the model-free drafters' asks; no draft costs."""
     t_start = time.perf_counter()
     rows = target.sizing.n_outputs_max
     if rows:  # a memory plan sized the context for at most this many logits rows per pass
         max_batch = min(max_batch, rows)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(1)
     n_vocab = target.vocab.n_vocab
-    context = rng.integers(100, min(n_vocab, 30000), size=CONTEXT_TOKENS).astype(np.int32)
+    context = _context(n_vocab)
     target.truncate(0)
     target.decode(context, 0)
 
@@ -124,21 +142,6 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     verify_s = {n: min(ts) for n, ts in times.items()}
 
     rollback_s = _rollback_cost(target, verify_s, rng, n_vocab, repeats) if getattr(target, "recurrent", False) else 0.0
-
-    draft_s = catchup_s = None
-    if draft is not None:
-        draft.truncate(0)
-        draft.decode(context, 0)
-
-        def draft_step(n: int):
-            def step():
-                draft.decode(context[:n], 1)
-                draft.truncate(CONTEXT_TOKENS)
-            step()
-            return step
-        draft_s = _best_time(draft_step(1), repeats)
-        catchup_s = _best_time(draft_step(2), repeats)
-        draft.truncate(0)
     mtp_s = _mtp_step_s(target, context, repeats)
     target.truncate(0)
 
@@ -154,8 +157,30 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     past.add(rng.integers(100, 1000, size=DEFAULT_HISTORY_TOKENS).astype(np.int32))
     suffix = SuffixDrafter(past)
     suffix_s = _best_time(lambda: suffix.propose(history, 16, sampler), 5)
-    return CostProfile(verify_s, draft_s, catchup_s, lookup_s, suffix_s, mtp_s=mtp_s, rollback_s=rollback_s,
+    return CostProfile(verify_s, None, None, lookup_s, suffix_s, mtp_s=mtp_s, rollback_s=rollback_s,
                        measured_in_s=time.perf_counter() - t_start)
+
+
+DRAFT_FIELDS = ("draft_s", "draft_catchup_s")
+
+
+def measure_draft_costs(draft: Runtime, *, repeats: int = 3) -> dict:
+    """The draft model's step (one token) and catch-up (two tokens) after a short context."""
+    t_start = time.perf_counter()
+    context = _context(draft.vocab.n_vocab)
+    draft.truncate(0)
+    draft.decode(context, 0)
+
+    def draft_step(n: int):
+        def step():
+            draft.decode(context[:n], 1)
+            draft.truncate(CONTEXT_TOKENS)
+        step()
+        return step
+    draft_s = _best_time(draft_step(1), repeats)
+    catchup_s = _best_time(draft_step(2), repeats)
+    draft.truncate(0)
+    return {"draft_s": draft_s, "draft_catchup_s": catchup_s, "measured_in_s": time.perf_counter() - t_start}
 
 
 ROLLBACK_PASS = 5  # a verify pass of k = 4 of which one draft is kept: the rollback keeps 2 of its 5 tokens
@@ -198,13 +223,15 @@ def _mtp_step_s(target: Runtime, context: np.ndarray, repeats: int) -> float | N
 
 # --- cache -----------------------------------------------------------------------------------
 
+def runtime_key(rt: Runtime) -> dict:
+    key = rt.compatibility_key() if ModelIdentity in rt.capabilities else {"name": rt.name}
+    sizing = rt.sizing
+    offload = {"gpu_layers": sizing.n_gpu_layers} if sizing.n_gpu_layers else {}  # CPU keys stay as they were
+    return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max, **offload}
+
+
 def profile_key(target: Runtime, draft: Runtime | None, device: str) -> dict:
     """Everything a measured cost depends on."""
-    def runtime_key(rt: Runtime) -> dict:
-        key = rt.compatibility_key() if ModelIdentity in rt.capabilities else {"name": rt.name}
-        sizing = rt.sizing
-        offload = {"gpu_layers": sizing.n_gpu_layers} if sizing.n_gpu_layers else {}  # CPU keys stay as they were
-        return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max, **offload}
     return {"version": PROFILE_VERSION, "device": device, "target": runtime_key(target),
             "draft": runtime_key(draft) if draft is not None else None}
 
@@ -218,10 +245,27 @@ def profile_dir() -> Path:
     return Path(platformdirs.user_cache_dir("edgespec")) / "profiles"
 
 
+def _cached(part: str, key: dict, measure, refresh: bool) -> tuple[dict, bool]:
+    """One part of a profile ("target" or "draft"), read from its cache file or measured and written."""
+    path = profile_dir() / f"{part}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    if not refresh and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if cached.pop("key") == key:
+                return cached, False
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass  # an unreadable cache entry is measured again
+    values = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, json.dumps({**values, "key": key}, indent=1))
+    return values, True
+
+
 def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | None = None,
                     refresh: bool = False) -> tuple[CostProfile, bool]:
     """The cached profile for this configuration, or a fresh measurement (then cached).
 
+    The target's part and the draft's are cached apart (see the module's docstring).
     Returns (profile, measured_now).
     """
     if device is None:
@@ -231,17 +275,14 @@ def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | Non
         # read "cuda-NVIDIA_H200-smunknown" where docs/install.md (and doctor) say "...-sm90".
         device = device_key(detect(llama_cpp=True, onnxruntime=False))
     key = profile_key(target, draft, device)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    path = profile_dir() / f"{digest}.json"
-    if not refresh and path.is_file():
-        try:
-            cached = CostProfile.from_dict(json.loads(path.read_text()))
-            if cached.key == key:
-                return cached, False
-        except (ValueError, KeyError, TypeError):
-            pass  # an unreadable cache entry is measured again
-    profile = measure_profile(target, draft)
-    profile.key = key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, json.dumps(profile.to_dict(), indent=1))
-    return profile, True
+    target_part, measured = _cached("target", {**key, "draft": None},
+                                    lambda: measure_target_costs(target).to_dict(), refresh)
+    profile = CostProfile.from_dict({**target_part, "key": key})
+    if draft is not None:
+        draft_part, draft_measured = _cached("draft", {"version": PROFILE_VERSION, "device": device,
+                                                       "draft": key["draft"]},
+                                             lambda: measure_draft_costs(draft), refresh)
+        profile = replace(profile, **{f: draft_part[f] for f in DRAFT_FIELDS},
+                          measured_in_s=profile.measured_in_s + draft_part["measured_in_s"])
+        measured = measured or draft_measured
+    return profile, measured
