@@ -89,10 +89,7 @@ def measure_profile(target: Runtime, draft: Runtime | None = None, *, max_batch:
     catalog models profile in well under 3 s here.
     """
     profile = measure_target_costs(target, max_batch=max_batch, repeats=repeats, budget_s=budget_s)
-    if draft is not None:
-        drafted = measure_draft_costs(draft, repeats=repeats)
-        profile = replace(profile, **drafted, measured_in_s=profile.measured_in_s + drafted["measured_in_s"])
-    return profile
+    return profile if draft is None else with_draft(profile, measure_draft_costs(draft, repeats=repeats))
 
 
 def _context(vocab_size: int) -> np.ndarray:
@@ -164,6 +161,12 @@ def measure_target_costs(target: Runtime, *, max_batch: int = 17, repeats: int =
 DRAFT_FIELDS = ("draft_s", "draft_catchup_s")
 
 
+def with_draft(profile: CostProfile, part: dict) -> CostProfile:
+    """A target's profile with a draft model's costs (measure_draft_costs' dict) added."""
+    return replace(profile, **{f: part[f] for f in DRAFT_FIELDS},
+                   measured_in_s=profile.measured_in_s + part["measured_in_s"])
+
+
 def measure_draft_costs(draft: Runtime, *, repeats: int = 3) -> dict:
     """The draft model's step (one token) and catch-up (two tokens) after a short context."""
     t_start = time.perf_counter()
@@ -223,15 +226,13 @@ def _mtp_step_s(target: Runtime, context: np.ndarray, repeats: int) -> float | N
 
 # --- cache -----------------------------------------------------------------------------------
 
-def runtime_key(rt: Runtime) -> dict:
-    key = rt.compatibility_key() if ModelIdentity in rt.capabilities else {"name": rt.name}
-    sizing = rt.sizing
-    offload = {"gpu_layers": sizing.n_gpu_layers} if sizing.n_gpu_layers else {}  # CPU keys stay as they were
-    return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max, **offload}
-
-
 def profile_key(target: Runtime, draft: Runtime | None, device: str) -> dict:
     """Everything a measured cost depends on."""
+    def runtime_key(rt: Runtime) -> dict:
+        key = rt.compatibility_key() if ModelIdentity in rt.capabilities else {"name": rt.name}
+        sizing = rt.sizing
+        offload = {"gpu_layers": sizing.n_gpu_layers} if sizing.n_gpu_layers else {}  # CPU keys stay as they were
+        return {**key, "threads": sizing.n_threads, "n_batch": sizing.n_batch, "rows": sizing.n_outputs_max, **offload}
     return {"version": PROFILE_VERSION, "device": device, "target": runtime_key(target),
             "draft": runtime_key(draft) if draft is not None else None}
 
@@ -282,7 +283,5 @@ def load_or_measure(target: Runtime, draft: Runtime | None, *, device: str | Non
         draft_part, draft_measured = _cached("draft", {"version": PROFILE_VERSION, "device": device,
                                                        "draft": key["draft"]},
                                              lambda: measure_draft_costs(draft), refresh)
-        profile = replace(profile, **{f: draft_part[f] for f in DRAFT_FIELDS},
-                          measured_in_s=profile.measured_in_s + draft_part["measured_in_s"])
-        measured = measured or draft_measured
+        profile, measured = with_draft(profile, draft_part), measured or draft_measured
     return profile, measured
