@@ -350,10 +350,14 @@ class AdaptivePolicy:
         by its acceptance estimate (not its stated confidence)."""
         return self.chain_speeds(self.estimates[name].rates[:available], self.specs[name].ask_s(self.profile))
 
-    def model_speeds(self, name: str, k_cap: int, unseen: int = 0, remaining: int = 1 << 30) -> np.ndarray:
+    def model_speeds(self, name: str, k_cap: int, unseen: int = 0, remaining: int = 1 << 30,
+                     generated: int = 0) -> np.ndarray:
         """Predicted tokens/s of a chain of k = 0 .. k_cap tokens from draft model `name`. `unseen`
-        tokens the draft must catch up on first (its whole prompt, the first time) cost a prefill,
-        spread over the rounds left to pay it back."""
+        tokens the draft must catch up on first cost a prefill: the prompt's (its first use) is spread
+        over the rounds left to pay it back, as it is paid once; the tokens generated since its last use
+        (of `generated` so far) are paid in full by this round, as they come back each time auto returns
+        to the draft model after other drafters (spread, they were priced ~100x low: Qwen2.5-Coder-0.5B
+        caught up 13 tokens in 145 ms where the round was charged ~1 ms)."""
         est = self.estimates[name]
         e = est.expected_emitted()[: k_cap + 1] + self._forced
         all_pass = np.concatenate([[0.0], np.cumprod(est.rates)])[: k_cap + 1]
@@ -362,15 +366,19 @@ class AdaptivePolicy:
         step_s = spec.step_s(self.profile) or 0.0
         extra = (spec.catchup_s(self.profile) or 0.0) - step_s
         cost = self._verify_costs(k_cap) + ks * step_s + all_pass * max(extra, 0.0)
-        if unseen > 1:
-            cost = cost + (ks > 0) * self.draft_prefill_s(unseen, step_s) * e / max(remaining, 1)
+        backlog = min(unseen, generated)
+        prompt = unseen - backlog
+        if prompt > 1:
+            cost = cost + (ks > 0) * self.draft_prefill_s(prompt, step_s) * e / max(remaining, 1)
+        if backlog > 2:  # two are the usual catch-up after a round, priced above (step_s, extra)
+            cost = cost + (ks > 0) * self.draft_prefill_s(backlog - 2, step_s)
         return e / cost
 
     def draft_prefill_s(self, n: int, step_s: float | None = None) -> float:
         """The draft model's prefill of n tokens, from its step cost (`step_s`, the draft model's by
-        default) and the target's batching efficiency (a batch of B costs verify(B) where B single
-        steps cost B * verify(1))."""
-        b = self.profile.max_batch
+        default) and the target's batching efficiency at that batch size (a batch of B costs verify(B)
+        where B single steps cost B * verify(1))."""
+        b = min(max(n, 1), self.profile.max_batch)
         step_s = (self.profile.draft_s or 0.0) if step_s is None else step_s
         return n * step_s * self.profile.verify(b) / (b * self.profile.verify(1))
 
@@ -401,7 +409,8 @@ class AdaptivePolicy:
             if k > 0 and speeds[k] > best.predicted_speed:
                 best = self._model_free_choice(drafter, proposal, k, float(speeds[k]))
         for drafter in self._of_kind(DrafterKind.MODEL):
-            speeds = self.model_speeds(drafter.name, k_cap, drafter.unseen(state.committed), state.remaining)
+            speeds = self.model_speeds(drafter.name, k_cap, drafter.unseen(state.committed), state.remaining,
+                                       state.n - state.n_prompt)
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
                 trees = self.max_branches > 1 and self.specs[drafter.name].trees
