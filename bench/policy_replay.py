@@ -65,7 +65,7 @@ class PooledPolicy(AdaptivePolicy):
     drafter's pooled estimate (prompt lookup after a 1-token match like one after a 4-token match)."""
 
     def rates_of(self, name, proposal):
-        return self.estimates[name].rates
+        return super().rates_of(name, proposal) if proposal.confidence is not None else self.estimates[name].rates
 
 
 POLICIES = {"auto": AdaptivePolicy, "pooled": PooledPolicy}
