@@ -17,8 +17,12 @@ are not priced (as in bench/oracle.py); a real run's text can differ from plain'
 near-ties. tests/test_bench.py checks the replay against the engine: on the text a real auto run
 emitted, the replayed policy makes the same rounds at the same priced cost.
 
-Each prompt is replayed twice: auto as it is, and auto with every lookup proposal rated by lookup's
-pooled acceptance, as it was before it rated each match length apart (PooledPolicy, the ablation).
+Each prompt is replayed three times: auto as it is, and two ablations: auto with every lookup proposal
+rated by lookup's pooled acceptance, as it was before it rated each match length apart (PooledPolicy),
+and auto rating each proposal apart from the others, as it was before two that disagree were made
+exclusive (ApartPolicy). A calibration table then sets, per drafter and draft length, the tokens the
+policy predicted a round would emit (its predicted speed times the round's priced time) beside those
+it did.
 
     python -m edgespec.bench.policy_replay --models qwen --threads 2 [--profile bench/race-head-qwen/results.json]
                                            [--per-category N] [--out bench/replay-qwen]
@@ -68,7 +72,17 @@ class PooledPolicy(AdaptivePolicy):
         return super().rates_of(name, proposal) if proposal.confidence is not None else self.estimates[name].rates
 
 
-POLICIES = {"auto": AdaptivePolicy, "pooled": PooledPolicy}
+class ApartPolicy(AdaptivePolicy):
+    """The ablation: auto as it was before session 12, each proposal rated apart from the others (two
+    that disagree can both look sure)."""
+
+    def rate_proposals(self, proposals, k_cap):
+        return [self.rates_of(d.name, p)[:min(len(p), k_cap)] for d, p in proposals]
+
+
+POLICIES = {"auto": AdaptivePolicy, "pooled": PooledPolicy, "apart": ApartPolicy}
+ABLATIONS = {"pooled": "lookup rated by its pooled record (no match-length levels)",
+             "apart": "each proposal rated apart from the others (no exclusivity)"}
 
 
 @dataclass
@@ -77,6 +91,8 @@ class Replayed:
     plain_seconds: float                             # one verify(1) per token
     oracle_seconds: float
     choices: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> "drafter:k" -> rounds
+    # policy -> (drafter, k, tokens predicted, tokens emitted) of each model-free drafting round
+    predicted: dict[str, list[tuple[str, int, float, int]]] = field(default_factory=dict)
 
     def x(self, policy: str = "auto") -> float:
         return self.plain_seconds / self.seconds[policy]
@@ -87,8 +103,9 @@ class Replayed:
 
 
 def replay(policy: AdaptivePolicy, prompt: np.ndarray, text: np.ndarray, h: oracle.Hindsight,
-           draft_confidence: np.ndarray | None, pricing: oracle.Pricing) -> tuple[float, dict[str, int]]:
-    """Auto's rounds on `text` (END-free), answered from the hindsight `h`; its priced seconds and choices."""
+           draft_confidence: np.ndarray | None, pricing: oracle.Pricing) -> tuple[float, dict[str, int], list]:
+    """Auto's rounds on `text` (END-free), answered from the hindsight `h`; its priced seconds, choices
+    and, per model-free drafting round, (drafter, k, tokens predicted, tokens emitted)."""
     n_prompt, n = len(prompt), len(text)
     context = np.zeros(n_prompt + n, dtype=np.int32)
     context[:n_prompt] = prompt
@@ -96,7 +113,7 @@ def replay(policy: AdaptivePolicy, prompt: np.ndarray, text: np.ndarray, h: orac
                              GenerationStats("auto"))
     asks = sum(pricing.ask(d) for d in pricing.model_free)
     model = {d.name: d for d in policy.drafters if spec_for(d.name).kind is DrafterKind.MODEL}
-    seconds, choices = 0.0, {}
+    seconds, choices, predicted = 0.0, {}, []
     while state.n - n_prompt < n:
         j = state.n - n_prompt
         choice = policy.choose(state)
@@ -123,12 +140,14 @@ def replay(policy: AdaptivePolicy, prompt: np.ndarray, text: np.ndarray, h: orac
         key = f"{name if k else 'none'}:{k}"
         choices[key] = choices.get(key, 0) + 1
         emitted = text[j:j + accepted + 1]
+        if k and name not in model:  # the policy priced this round at what the replay charges for it
+            predicted.append((name, k, choice.predicted_speed * (pass_s + pricing.ask(name)), len(emitted)))
         policy.observe(choice, k, accepted, emitted, pass_s=pass_s)
         context[state.n:state.n + len(emitted)] = emitted
         state.n += len(emitted)
         if name in model:
             model[name].seen = state.n - 1
-    return seconds, choices
+    return seconds, choices, predicted
 
 
 def plain_texts(engine, items, max_tokens: int, cache: Path) -> dict[str, list[int]]:
@@ -176,8 +195,9 @@ def run(engine, profile, items, texts: dict[str, list[int]], k_max: int) -> dict
             for d in candidates:
                 if isinstance(d, ReplayedDraftModel):
                     d.seen = 0
-            seconds, choices = replay(cls(profile, *candidates, k_max=k_max), prompt, text, h, confidence, pricing)
-            out[item.id].seconds[name], out[item.id].choices[name] = seconds, choices
+            r = out[item.id]
+            r.seconds[name], r.choices[name], r.predicted[name] = replay(cls(profile, *candidates, k_max=k_max),
+                                                                         prompt, text, h, confidence, pricing)
         history[item.group].append(texts[item.id])
     return out
 
@@ -188,10 +208,30 @@ def summarize(items, replayed: dict[str, Replayed]) -> dict:
         mine = [replayed[i.id] for i in items if cls in ("overall", i.category)]
         auto_x, oracle_x = geomean([r.x() for r in mine]), geomean([r.oracle_x for r in mine])
         by_class[cls] = {"prompts": len(mine), **oracle_share(auto_x, oracle_x),
-                         "worst_auto_x": min(r.x() for r in mine), "pooled_x": geomean([r.x("pooled") for r in mine]),
-                         "worst_pooled_x": min(r.x("pooled") for r in mine),
-                         "auto_over_pooled": geomean_interval([r.x() / r.x("pooled") for r in mine]).__dict__}
+                         "worst_auto_x": min(r.x() for r in mine)}
+        for name in ABLATIONS:
+            by_class[cls] |= {f"{name}_x": geomean([r.x(name) for r in mine]),
+                              f"worst_{name}_x": min(r.x(name) for r in mine),
+                              f"auto_over_{name}": geomean_interval([r.x() / r.x(name) for r in mine]).__dict__}
     return by_class
+
+
+K_BUCKETS = ((1, 3), (4, 8), (9, 1 << 30))
+
+
+def calibration(replayed: dict[str, Replayed], policy: str) -> list[dict]:
+    """Per model-free drafter and draft length, the tokens `policy` predicted its rounds would emit and
+    those they did (means over every prompt's drafting rounds)."""
+    rows = [p for r in replayed.values() for p in r.predicted.get(policy, [])]
+    out = []
+    for drafter in sorted({p[0] for p in rows}):
+        for low, high in K_BUCKETS:
+            mine = [p for p in rows if p[0] == drafter and low <= p[1] <= high]
+            if mine:
+                out.append({"drafter": drafter, "k": f"{low}-{high}" if high < 1 << 30 else f"{low}+",
+                            "rounds": len(mine), "predicted": float(np.mean([p[2] for p in mine])),
+                            "emitted": float(np.mean([p[3] for p in mine]))})
+    return out
 
 
 def render(doc: dict) -> str:
@@ -202,22 +242,31 @@ def render(doc: dict) -> str:
              "Auto x plain and the oracle x plain are geometric means over prompts of priced speedups; share: "
              f"auto's gain as a fraction of the oracle's (goal {ORACLE_GOAL}). This is a model of a run, not a "
              "timing: bench/race.py measures the same policy in wall-clock time.", "",
-             "Pooled: the same policy with every lookup proposal rated by lookup's pooled estimate, as auto "
-             "was before it rated each match length apart (Draft.evidence).", "",
-             f"Auto / pooled: geometric mean over prompts with a {LEVEL:.0%} bootstrap interval (prompts resampled).", "",
-             "| class | prompts | auto x plain | worst prompt | pooled x plain | worst prompt | auto / pooled | oracle x plain | auto's share of the oracle's gain |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "Ablations, each auto with one rule taken out: " + "; ".join(f"{k}: {v}" for k, v in ABLATIONS.items())
+             + f". Auto / ablation: geometric mean over prompts with a {LEVEL:.0%} bootstrap interval (prompts resampled).", "",
+             "| class | prompts | auto x plain | worst prompt | " + " | ".join(f"{a} x plain | auto / {a}" for a in ABLATIONS)
+             + " | oracle x plain | auto's share of the oracle's gain |",
+             "|---|---:|---:|---:|" + "---:|---|" * len(ABLATIONS) + "---:|---:|"]
     for cls, s in doc["summary"].items():
         share = "-" if s["fraction"] is None else f"{s['fraction']:.2f}"
-        ap = s["auto_over_pooled"]
-        lines.append(f"| {cls} | {s['prompts']} | {s['auto_x']:.3f} | {s['worst_auto_x']:.3f} | {s['pooled_x']:.3f} "
-                     f"| {s['worst_pooled_x']:.3f} | {ap['value']:.3f} ({ap['low']:.3f}-{ap['high']:.3f}) "
+        ablated = " | ".join(f"{s[a + '_x']:.3f} | {s['auto_over_' + a]['value']:.3f} ({s['auto_over_' + a]['low']:.3f}-"
+                             f"{s['auto_over_' + a]['high']:.3f})" for a in ABLATIONS)
+        lines.append(f"| {cls} | {s['prompts']} | {s['auto_x']:.3f} | {s['worst_auto_x']:.3f} | {ablated} "
                      f"| {s['oracle_x']:.3f} | {share} |")
-    lines += ["", "| prompt | class | auto x plain | pooled x plain | oracle x plain | auto chose (rounds per drafter:k) |",
-              "|---|---|---:|---:|---:|---|"]
+    lines += ["", "Calibration: per model-free drafter and draft length k, the tokens a round was predicted to emit "
+              "(its predicted speed times its priced time) and the tokens it emitted, means over every prompt's "
+              "drafting rounds.", "",
+              "| policy | drafter | k | rounds | predicted | emitted |", "|---|---|---|---:|---:|---:|"]
+    for policy, rows in doc["calibration"].items():
+        lines += [f"| {policy} | {r['drafter']} | {r['k']} | {r['rounds']} | {r['predicted']:.2f} | {r['emitted']:.2f} |"
+                  for r in rows]
+    lines += ["", "| prompt | class | auto x plain | " + " | ".join(f"{a} x plain" for a in ABLATIONS)
+              + " | oracle x plain | auto chose (rounds per drafter:k) |",
+              "|---|---|---:|" + "---:|" * len(ABLATIONS) + "---:|---|"]
     for item_id, r in doc["prompts"].items():
         top = ", ".join(f"{k} {v}" for k, v in sorted(r["choices"].items(), key=lambda kv: -kv[1])[:4])
-        lines.append(f"| {item_id} | {r['category']} | {r['auto_x']:.3f} | {r['pooled_x']:.3f} | {r['oracle_x']:.3f} | {top} |")
+        ablated = " | ".join(f"{r[a + '_x']:.3f}" for a in ABLATIONS)
+        lines.append(f"| {item_id} | {r['category']} | {r['auto_x']:.3f} | {ablated} | {r['oracle_x']:.3f} | {top} |")
     return "\n".join(lines) + "\n"
 
 
@@ -256,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"command": "python -m edgespec.bench.policy_replay " + " ".join(argv), "machine": describe_machine(),
            "seconds": round(time.time() - t0, 1), "profile": profile.to_dict(),
            "summary": summarize(items, replayed),
-           "prompts": {i.id: {"category": i.category, "auto_x": replayed[i.id].x(), "pooled_x": replayed[i.id].x("pooled"),
+           "calibration": {"auto": calibration(replayed, "auto")},
+           "prompts": {i.id: {"category": i.category, "auto_x": replayed[i.id].x(),
+                              **{f"{a}_x": replayed[i.id].x(a) for a in ABLATIONS},
                               "oracle_x": replayed[i.id].oracle_x, "choices": replayed[i.id].choices["auto"]}
                        for i in items}}
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))

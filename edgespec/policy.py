@@ -23,9 +23,9 @@ every position up to the longest k, whatever was drafted; a proposal that states
 lookup: the length of the match it copies after) is rated by that level's record, shrunk toward the
 drafter's pooled one (EvidenceEstimate). A draft model (DrafterKind.MODEL) is
 scored on what it drafted. A drafter that states a confidence per token (suffix) is rated by that
-confidence as calibrated against what the target accepted (ConfidenceCalibration), capped by its
-per-position record. Where two proposals differ, at most one can pass: their rates at the first
-token they differ on are made to sum to at most 1 (`exclusive`).
+confidence as calibrated against what the target accepted (ConfidenceCalibration). Where two
+proposals differ, at most one can pass: their rates at the first token they differ on are made to
+sum to at most 1 (`exclusive`).
 
 The policy names no drafter: it weighs the drafters it is given by the kind, ask cost and traits
 their rows in edgespec.drafters.table declare.
@@ -400,9 +400,7 @@ class AdaptivePolicy:
             return plain
         best = Choice(None, 0, predicted_speed=plain.predicted_speed * (1 + SPECULATION_MARGIN))
         proposals = [(drafter, proposal) for drafter, proposal in proposals if len(proposal)]
-        rated = exclusive([(proposal.tokens, self.rates_of(drafter.name, proposal)[:min(len(proposal), k_cap)])
-                           for drafter, proposal in proposals])
-        for (drafter, proposal), rates in zip(proposals, rated):
+        for (drafter, proposal), rates in zip(proposals, self.rate_proposals(proposals, k_cap)):
             speeds = self.chain_speeds(rates, self.specs[drafter.name].ask_s(self.profile))
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
@@ -418,20 +416,19 @@ class AdaptivePolicy:
                               predicted_speed=float(speeds[k]))
         return best if best.drafter is not None else plain
 
+    def rate_proposals(self, proposals: list[tuple[Drafter, Draft]], k_cap: int) -> list[np.ndarray]:
+        """Per-position acceptance of each model-free proposal of this round, up to k_cap tokens, made
+        consistent with each other (`exclusive`)."""
+        return exclusive([(proposal.tokens, self.rates_of(drafter.name, proposal)[:min(len(proposal), k_cap)])
+                          for drafter, proposal in proposals])
+
     def rates_of(self, name: str, proposal: Draft) -> np.ndarray:
         """Per-position acceptance of model-free drafter `name`'s `proposal`: where it states a
-        confidence per token, that confidence as calibrated, capped by the drafter's per-position
-        record; where it states a level of evidence, that level's record; else the pooled record.
-
-        The cap: calibration rates each token by its confidence as if a chain's tokens passed
-        independently, but a copy ends all at once (suffix copies of 9+ tokens kept 4.5 of the 8.5
-        tokens the calibration predicted, in the policy replay of the Qwen race's texts); the
-        per-position record sees how far copies run, not how sure the drafter is. Each misses what
-        the other sees, so the lower of the two prices the chain."""
-        pooled = self.estimates[name].rates
+        confidence per token, that confidence as calibrated; where it states a level of evidence, that
+        level's record; else the drafter's pooled record."""
         if proposal.confidence is not None:
-            calibrated = self.calibration.rates(proposal.confidence)
-            return np.minimum(calibrated, pooled[:len(calibrated)])
+            return self.calibration.rates(proposal.confidence)
+        pooled = self.estimates[name].rates
         level = self.by_evidence.get((name, proposal.evidence)) if proposal.evidence else None
         return pooled if level is None else level.shrunk(pooled)
 
@@ -493,17 +490,16 @@ class AdaptivePolicy:
         for key in levels - self.by_evidence.keys():
             self.by_evidence[key] = EvidenceEstimate(self.k_max)
         for name in {name for name, *_ in judged}:
-            self.estimates[name].decay_step()
-            if self.specs[name].confident:
-                self.calibration.decay_step()
+            (self.calibration if self.specs[name].confident else self.estimates[name]).decay_step()
         for key in levels:
             self.by_evidence[key].decay_step()
         for name, draft, first, n_passed, failed in judged:
-            self.estimates[name].record(first, n_passed, failed)
             if draft.confidence is not None:
                 self.calibration.record(draft.confidence[first:], n_passed, failed)
-            if draft.evidence:
-                self.by_evidence[name, draft.evidence].record(first, n_passed, failed)
+            else:
+                self.estimates[name].record(first, n_passed, failed)
+                if draft.evidence:
+                    self.by_evidence[name, draft.evidence].record(first, n_passed, failed)
 
 
 def exclusive(chains: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:

@@ -347,6 +347,6 @@ def test_the_policy_replay_makes_the_rounds_a_real_auto_run_made(smollm2_path):
     text = np.asarray(result.tokens, dtype=np.int64)
     pricing = orc.Pricing(profile, ("lookup", "suffix"))
     policy = AdaptivePolicy(profile, *fresh.values(), k_max=k_max)
-    seconds, chosen = replay(policy, np.asarray(prompt, dtype=np.int32), text, orc.Hindsight(text, {}), None, pricing)
+    seconds, chosen, _ = replay(policy, np.asarray(prompt, dtype=np.int32), text, orc.Hindsight(text, {}), None, pricing)
     assert chosen == result.stats.chosen
     assert seconds == pytest.approx(pricing.run_seconds(result.stats), rel=1e-12)

@@ -131,47 +131,15 @@ def test_auto_weighs_suffix_confidence_as_calibrated_by_the_target():
     policy = AdaptivePolicy(cheap, None, None, k_max=6, suffix=drafter)
     assert policy.choose(make_state([9, 1, 2, 3])).k <= 1  # not yet confirmed: one token at most
     proposal = drafter.propose(np.array([9, 1, 2, 3]), 6)
-    for _ in range(10):  # the target's tokens confirm proposals this confident (scored in the shadow,
-        policy.calibration.decay_step()  # which keeps both the calibration and the per-position record)
+    for _ in range(10):  # the target's tokens confirm proposals this confident (scored in the shadow)
+        policy.calibration.decay_step()
         policy.calibration.record(proposal.confidence, len(proposal), False)
-        policy.estimates["suffix"].decay_step()
-        policy.estimates["suffix"].record(0, len(proposal), False)
     choice = policy.choose(make_state([9, 1, 2, 3]))
     assert choice.drafter is drafter and choice.k == 5  # the whole remembered continuation
     for _ in range(30):
         policy.observe(choice, choice.k, 0, np.array([77]))  # and then the target never takes it
         choice = policy.choose(make_state([9, 1, 2, 3]))
     assert choice.drafter is None
-
-
-def test_a_confident_copy_is_drafted_only_as_far_as_copies_have_run():
-    """The calibration rates each token by its confidence, as if a chain's tokens passed alone; a copy
-    ends all at once. Here tokens this confident passed 9 times in 10 (in this chain's first three
-    positions, and in other proposals' tokens the shadow scored), yet every copy ended after 3 tokens:
-    auto drafts 3, not the 5 the calibration alone prices best."""
-    from edgespec.machine.profile import CostProfile
-
-    drafter = drafter_with([1, 2, 3, 4, 5, 6, 7, 8])
-    cheap = CostProfile({n: 10 * MS * (1 + 0.2 * (n - 1)) for n in (1, 2, 4, 8)}, None, None, 0.0)
-    policy = AdaptivePolicy(cheap, None, None, k_max=6, suffix=drafter)
-    proposal = drafter.propose(np.array([9, 1, 2, 3]), 6)
-    assert len(proposal) == 5
-    for _ in range(10):  # what the shadow scorer records when 3 tokens pass and the 4th fails
-        policy.calibration.decay_step()
-        policy.calibration.record(proposal.confidence, 3, True)
-        for _ in range(3):  # other confident tokens pass
-            policy.calibration.record(proposal.confidence[1:3], 2, False)
-        policy.estimates["suffix"].decay_step()
-        policy.estimates["suffix"].record(0, 3, True)
-    assert policy.choose(make_state([9, 1, 2, 3])).k == 3
-
-    class CalibrationAlone(AdaptivePolicy):  # the negative control: the rule without the cap
-        def rates_of(self, name, proposal):
-            return self.calibration.rates(proposal.confidence)
-
-    alone = CalibrationAlone(cheap, None, None, k_max=6, suffix=drafter)
-    alone.calibration, alone.estimates = policy.calibration, policy.estimates
-    assert alone.choose(make_state([9, 1, 2, 3])).k == 5
 
 
 def test_copies_that_disagree_cannot_both_pass():
@@ -196,7 +164,6 @@ def test_copies_that_disagree_cannot_both_pass():
         lookup, suffix = PromptLookupDrafter(), drafter_with(*history)
         policy = AdaptivePolicy(steep, lookup, None, k_max=3, suffix=suffix)
         policy.estimates["lookup"].hits[:] = 0.9 * policy.estimates["lookup"].trials
-        policy.estimates["suffix"].hits[:] = 0.9 * policy.estimates["suffix"].trials
         policy.calibration.trials[:] = 100.0
         policy.calibration.hits[:] = 95.0
         return policy, lookup, suffix
