@@ -506,8 +506,9 @@ def exclusive(chains: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     """Per-position acceptance rates of proposals made over the same context, made consistent: where
     two chains first differ, both are judged after the same accepted prefix and propose different
     tokens, of which at most one can be the target's, so their rates there are scaled to sum to at most
-    1. (Prompt lookup copying the prompt and suffix copying an earlier answer disagree exactly where a
-    grounded edit renames something; each alone looked sure.) `chains`: (tokens, rates) pairs."""
+    1. (In the policy replay of a grounded rename, prompt lookup copying the prompt and suffix copying
+    an earlier answer disagreed where the edit renamed something, and each alone looked sure.) Pairwise:
+    auto has two model-free drafters. `chains`: (tokens, rates) pairs."""
     rates = [r.astype(float, copy=True) for _, r in chains]
     for a in range(len(chains)):
         for b in range(a + 1, len(chains)):

@@ -144,7 +144,7 @@ def test_auto_weighs_suffix_confidence_as_calibrated_by_the_target():
 
 def test_copies_that_disagree_cannot_both_pass():
     """Lookup (copying the context) and suffix (copying an earlier answer) each look right 9 times in
-    10; where they propose different tokens at most one can be the target's, so on a curve where a
+    10 or more; where they propose different tokens at most one can be the target's, so on a curve where a
     1-token draft needs more than a coin flip auto drafts neither; where they agree it drafts."""
     from edgespec.drafters import PromptLookupDrafter
     from edgespec.machine.profile import CostProfile
