@@ -509,7 +509,7 @@ def exclusive(chains: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     1. (In the policy replay of a grounded rename, prompt lookup copying the prompt and suffix copying
     an earlier answer disagreed where the edit renamed something, and each alone looked sure.) Pairwise:
     auto has two model-free drafters. `chains`: (tokens, rates) pairs."""
-    rates = [r.astype(float, copy=True) for _, r in chains]
+    rates = [r for _, r in chains]  # copied only where scaled: this runs every round
     for a in range(len(chains)):
         for b in range(a + 1, len(chains)):
             m = min(len(rates[a]), len(rates[b]))
@@ -518,8 +518,9 @@ def exclusive(chains: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
                 i = int(differ[0])
                 total = rates[a][i] + rates[b][i]
                 if total > 1.0:
-                    rates[a][i] /= total
-                    rates[b][i] /= total
+                    for j in (a, b):
+                        rates[j] = rates[j].astype(float)  # a copy: the caller's arrays stay as they were
+                        rates[j][i] /= total
     return rates
 
 
