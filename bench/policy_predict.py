@@ -84,7 +84,7 @@ def predict(rates: dict[str, np.ndarray], profile: CostProfile | None = None) ->
             AdaptivePolicy(profile, PromptLookupDrafter(), None, k_max=8)
         est = policy.estimates[name]
         k_max = policy.k_max  # a measured profile may time fewer pass sizes than 9
-        est.hits[:] = r[:k_max] * est.trials
+        est.assume(r[:k_max])
         speeds = policy.model_speeds(name, k_max) if name == "draft" else policy.copy_speeds(name, k_max)
         k = int(np.argmax(speeds))
         out[name] = {"per_position_acceptance": [round(float(x), 3) for x in r], "chosen_k": k,

@@ -123,10 +123,29 @@ class DecayedRates:
         self.hits = prior * weight
         self.trials = np.full(len(prior), weight)
         self.decay = decay
+        # What auto reads every round is computed from hits and trials once per change (`derived`):
+        # they change only in rounds that judge this drafter. Auto's per-round work is what it loses
+        # to plain decoding where a step is short (SmolLM2 on the EPYC: 3 % of a 5.9 ms step); this and
+        # OnlineCosts' lists cut the policy's rounds by about 7 % (16 us on the Xeon), the asks of
+        # lookup and suffix being most of the rest.
+        self._derived: dict = {}
+
+    def changed(self) -> None:
+        """Say that hits or trials were changed (the methods below say it themselves)."""
+        self._derived.clear()
+
+    def derived(self, name: str, compute) -> np.ndarray:
+        """compute(), kept (read-only) until hits or trials change."""
+        value = self._derived.get(name)
+        if value is None:
+            value = self._derived[name] = compute()
+            value.flags.writeable = False
+        return value
 
     def decay_step(self) -> None:
         self.hits *= self.decay
         self.trials *= self.decay
+        self.changed()
 
 
 class AcceptanceEstimate(DecayedRates):
@@ -148,14 +167,24 @@ class AcceptanceEstimate(DecayedRates):
         stop = min(first + n_passed + int(failed), len(self.trials))
         self.trials[first:stop] += 1
         self.hits[first:min(first + n_passed, stop)] += 1
+        self.changed()
+
+    def assume(self, rates) -> None:
+        """Set the rates outright at the weight of evidence already held (tests, what-if predictions)."""
+        self.hits[:] = np.asarray(rates) * self.trials
+        self.changed()
 
     @property
     def rates(self) -> np.ndarray:
-        return self.hits / self.trials
+        return self.derived("rates", lambda: self.hits / self.trials)
 
     def expected_emitted(self) -> np.ndarray:
         """E(k) for k = 0 .. k_max."""
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.rates))])
+        return self.derived("emitted", lambda: 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.rates))]))
+
+    def all_pass(self) -> np.ndarray:
+        """The chance that all k drafted tokens pass, for k = 0 .. k_max (0 for k = 0: nothing drafted)."""
+        return self.derived("all_pass", lambda: np.concatenate([[0.0], np.cumprod(self.rates)]))
 
 
 class EvidenceEstimate(AcceptanceEstimate):
@@ -171,8 +200,12 @@ class EvidenceEstimate(AcceptanceEstimate):
         super().__init__(k_max, prior=0.0, weight=0.0, decay=decay)
 
     def shrunk(self, pooled: np.ndarray) -> np.ndarray:
+        """`pooled`: the pool's rates (its `rates`, itself kept until the pool changes)."""
         w = self.PRIOR_WEIGHT
-        return (self.hits[:len(pooled)] + w * pooled) / (self.trials[:len(pooled)] + w)
+        if self._derived.get("pooled") is not pooled:
+            self._derived.clear()
+            self._derived["pooled"] = pooled
+        return self.derived("shrunk", lambda: (self.hits[:len(pooled)] + w * pooled) / (self.trials[:len(pooled)] + w))
 
 
 class ConfidenceCalibration(DecayedRates):
@@ -197,15 +230,18 @@ class ConfidenceCalibration(DecayedRates):
         """The rate of each token's bin, one standard error below its estimate: a long chain priced at
         the product of per-token rates needs many confirmations behind them, not a handful (the Qwen
         race's code prompts: a bin confirmed ~4 times priced an 11-token draft at 1.12x plain; it kept 3)."""
+        return self.derived("lower", self._lower)[np.searchsorted(self.EDGES, confidence, side="right")]
+
+    def _lower(self) -> np.ndarray:
         p = self.hits / self.trials
-        lower = np.clip(p - np.sqrt(p * (1 - p) / (self.trials + 1)), 0.0, 1.0)
-        return lower[np.searchsorted(self.EDGES, confidence, side="right")]
+        return np.maximum(p - np.sqrt(p * (1 - p) / (self.trials + 1)), 0.0)  # <= p <= 1 already
 
     def record(self, confidence: np.ndarray, n_passed: int, failed: bool) -> None:
         """Tokens with these confidences: the first n_passed passed and, if `failed`, the next did not."""
         bins = np.searchsorted(self.EDGES, confidence[:n_passed + int(failed)], side="right")
         np.add.at(self.trials, bins, 1.0)
         np.add.at(self.hits, bins[:n_passed], 1.0)
+        self.changed()
 
 
 class ShadowScorer:
@@ -233,16 +269,16 @@ class ShadowScorer:
         they judge, (drafter name, draft, index of its first newly judged token, how many of them
         matched, whether the next one failed)."""
         judged, still = [], []
+        committed = committed.tolist()  # a few tokens against a few proposals: lists beat array calls
         for entry in self._pending:
             name, draft, first, done = entry
             if start - first != done:  # not in step (a gap in what was observed): cannot be judged
                 continue
-            predicted = draft.tokens[done:done + len(committed)]
-            if not len(predicted):
+            predicted = draft.tokens[done:done + len(committed)].tolist()
+            if not predicted:
                 continue
-            same = predicted == committed[:len(predicted)]
-            n_same = len(same) if same.all() else int(np.argmin(same))
-            failed = n_same < len(same)
+            n_same = next((i for i, (a, b) in enumerate(zip(predicted, committed)) if a != b), len(predicted))
+            failed = n_same < len(predicted)
             judged.append((name, draft, done, n_same, failed))
             entry[3] = done + len(predicted)
             if not failed and entry[3] < len(draft):
@@ -264,9 +300,12 @@ class OnlineCosts:
     MIN_SAMPLES = 2    # timings of a size before they replace the profile's figure
 
     def __init__(self, prior: np.ndarray):
-        self.prior = np.maximum.accumulate(prior)
-        self.mean = np.zeros(len(prior))
-        self.count = np.zeros(len(prior), dtype=np.int64)
+        # Python floats, not arrays: <= 17 of them, updated and read every round between two target
+        # passes, where each numpy call costs more than the arithmetic (and main-thread CPU slows the
+        # next multi-threaded pass, bench/auto_idle.py)
+        self.prior = np.maximum.accumulate(prior).tolist()
+        self.mean = [0.0] * len(prior)
+        self.count = [0] * len(prior)
 
     def observe(self, n_rows: int, seconds: float) -> None:
         i = n_rows - 1
@@ -274,12 +313,10 @@ class OnlineCosts:
         self.count[i] += 1
 
     def curve(self) -> np.ndarray:
-        seen = self.count >= self.MIN_SAMPLES
-        # statistics.median of <= 17 floats: np.median cost 15 of this method's 18 us, run every round
-        # between two target passes, where main-thread CPU slows the next multi-threaded pass (bench/auto_idle.py)
-        ratios = (self.mean[seen] / self.prior[seen]).tolist()
+        seen = [c >= self.MIN_SAMPLES for c in self.count]
+        ratios = [m / p for m, p, s in zip(self.mean, self.prior, seen) if s]
         scale = statistics.median(ratios) if ratios else 1.0
-        return np.maximum.accumulate(np.where(seen, self.mean, self.prior * scale))
+        return np.maximum.accumulate([m if s else p * scale for m, p, s in zip(self.mean, self.prior, seen)])
 
 
 class AdaptivePolicy:
@@ -292,6 +329,7 @@ class AdaptivePolicy:
         self.profile = profile
         self._drafters = [d for d in (*drafters, suffix) if d is not None]
         self.specs = {d.name: spec_for(d.name) for d in self._drafters}
+        self._copies, self._models = (self._of_kind(kind) for kind in (DrafterKind.COPIES, DrafterKind.MODEL))
         self.k_max = max(1, min(k_max, profile.max_batch - 1))
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
@@ -309,6 +347,7 @@ class AdaptivePolicy:
         self._round_start = 0
         self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
         self._forced = 0       # this round's grammar-forced rows, in the pass whatever is chosen
+        self._prefill_s: dict[tuple[int, float], float] = {}  # draft_prefill_s, asked every round for a few n
 
     @property
     def drafters(self) -> list[Drafter]:
@@ -344,7 +383,8 @@ class AdaptivePolicy:
     def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:
         """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""
         e = 1.0 + self._forced + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
-        cost = self._verify_costs(len(rates)) + ask_s * (np.arange(len(rates) + 1) > 0)
+        cost = self._verify_costs(len(rates)).copy()
+        cost[1:] += ask_s
         return e / cost
 
     def copy_speeds(self, name: str, available: int) -> np.ndarray:
@@ -362,27 +402,28 @@ class AdaptivePolicy:
         caught up 13 tokens in 145 ms where the round was charged ~1 ms)."""
         est = self.estimates[name]
         e = est.expected_emitted()[: k_cap + 1] + self._forced
-        all_pass = np.concatenate([[0.0], np.cumprod(est.rates)])[: k_cap + 1]
-        ks = np.arange(k_cap + 1)
         spec = self.specs[name]
         step_s = spec.step_s(self.profile) or 0.0
         extra = (spec.catchup_s(self.profile) or 0.0) - step_s
-        cost = self._verify_costs(k_cap) + ks * step_s + all_pass * max(extra, 0.0)
+        cost = self._verify_costs(k_cap) + np.arange(k_cap + 1) * step_s + est.all_pass()[: k_cap + 1] * max(extra, 0.0)
         backlog = min(unseen, generated)
         prompt = unseen - backlog
         if prompt > 1:
-            cost = cost + (ks > 0) * self.draft_prefill_s(prompt, step_s) * e / max(remaining, 1)
+            cost[1:] += self.draft_prefill_s(prompt, step_s) * e[1:] / max(remaining, 1)
         if backlog > 2:  # two are the usual catch-up after a round, priced above (step_s, extra)
-            cost = cost + (ks > 0) * self.draft_prefill_s(backlog - 2, step_s)
+            cost[1:] += self.draft_prefill_s(backlog - 2, step_s)
         return e / cost
 
     def draft_prefill_s(self, n: int, step_s: float | None = None) -> float:
         """The draft model's prefill of n tokens, from its step cost (`step_s`, the draft model's by
         default) and the target's batching efficiency at that batch size (a batch of B costs verify(B)
         where B single steps cost B * verify(1))."""
-        b = min(max(n, 1), self.profile.max_batch)
         step_s = (self.profile.draft_s or 0.0) if step_s is None else step_s
-        return n * step_s * self.profile.verify(b) / (b * self.profile.verify(1))
+        seconds = self._prefill_s.get((n, step_s))
+        if seconds is None:
+            b = min(max(n, 1), self.profile.max_batch)
+            seconds = self._prefill_s[n, step_s] = n * step_s * self.profile.verify(b) / (b * self.profile.verify(1))
+        return seconds
 
     def choose(self, state: "SpeculativeState") -> Choice:
         k_cap = min(self.k_max, state.remaining - 1)
@@ -390,7 +431,7 @@ class AdaptivePolicy:
         plain = Choice(None, 0, predicted_speed=self.plain_speed())
         self._round_start = state.n
         proposals = []
-        for drafter in self._of_kind(DrafterKind.COPIES):  # asked every round, used or not: see ShadowScorer
+        for drafter in self._copies:  # asked every round, used or not: see ShadowScorer
             proposal = drafter.propose(state.committed, self.k_max, state.sampler)
             proposals.append((drafter, proposal))
             self.shadows.add(drafter.name, proposal, state.n)
@@ -405,7 +446,7 @@ class AdaptivePolicy:
             k = int(np.argmax(speeds))
             if k > 0 and speeds[k] > best.predicted_speed:
                 best = self._model_free_choice(drafter, proposal, k, float(speeds[k]))
-        for drafter in self._of_kind(DrafterKind.MODEL):
+        for drafter in self._models:
             speeds = self.model_speeds(drafter.name, k_cap, drafter.unseen(state.committed), state.remaining,
                                        state.n - state.n_prompt)
             k = int(np.argmax(speeds))

@@ -47,7 +47,7 @@ def with_acceptance(policy, name, rate, rounds=30):
         k = policy.k_max
         n = int(np.sum(np.cumprod(np.random.default_rng(len(policy.estimates[name].hits)).random(k) < rate)))
         policy.estimates[name].update(k, n)
-    policy.estimates[name].hits[:] = rate * policy.estimates[name].trials  # exact rate, for a clean test
+    policy.estimates[name].assume(rate)  # exact rate, for a clean test
     return policy
 
 
@@ -100,6 +100,31 @@ def test_lookup_takes_the_longest_match_then_the_latest():
             assert list(got) == _lookup_by_definition(context, 6, ngram_max, ngram_min), (context, ngram_max)
 
 
+def test_estimates_recompute_what_they_derive_when_they_change():
+    """Auto reads each estimate's rates every round, computed once per change: every way an estimate
+    changes shows in what it returns next, and the kept arrays cannot be written by a caller."""
+    from edgespec.policy import AcceptanceEstimate, ConfidenceCalibration
+
+    est = AcceptanceEstimate(4)
+    rates, emitted = est.rates, est.expected_emitted()
+    assert est.rates is rates  # kept while nothing changed
+    with pytest.raises(ValueError):
+        rates[0] = 1.0
+    est.update(3, 1)  # the first passed, the second failed
+    assert est.rates[0] > rates[0] and est.rates[1] < rates[1] and est.expected_emitted()[1] > emitted[1]
+    est.decay_step()
+    assert not np.array_equal(est.rates, rates) and np.allclose(est.rates, est.hits / est.trials)
+    est.assume(0.25)
+    assert np.array_equal(est.rates, np.full(4, 0.25)) and est.all_pass()[2] == 0.25 ** 2
+    calibration, confident = ConfidenceCalibration(), np.array([0.99])
+    before = calibration.rates(confident)[0]
+    calibration.record(np.full(20, 0.99), 20, False)
+    confirmed = calibration.rates(confident)[0]
+    assert confirmed > before
+    calibration.decay_step()  # the same share on less evidence: a wider standard error, a lower bound lower
+    assert calibration.rates(confident)[0] < confirmed
+
+
 def test_a_break_even_speculation_is_not_taken():
     """Lookup k = 1 at a verify(2) / verify(1) of 1.32 (this CPU): 36 % acceptance predicts 1.03x,
     inside the margin, so plain decoding; 60 % predicts 1.21x, so lookup."""
@@ -110,7 +135,7 @@ def test_a_break_even_speculation_is_not_taken():
     context = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # "5 6 7" seen before: a match to propose
     for rate, taken in ((0.36, False), (0.60, True)):
         policy = AdaptivePolicy(profile, lookup, None, k_max=1)
-        policy.estimates["lookup"].hits[:] = rate * policy.estimates["lookup"].trials
+        policy.estimates["lookup"].assume(rate)
         predicted = (1 + rate) / 1.32
         assert (predicted > 1 + SPECULATION_MARGIN) == taken
         choice = policy.choose(make_state(context))
@@ -127,7 +152,7 @@ def test_never_predicts_below_plain_decoding():
                               rng.uniform(0.2, 2) * base, rng.uniform(0, 0.2) * base)
         policy = AdaptivePolicy(profile, PromptLookupDrafter(), _Named("draft"), k_max=5)
         for name in ("lookup", "draft"):
-            policy.estimates[name].hits[:] = rng.uniform(0, 1, 5) * policy.estimates[name].trials
+            policy.estimates[name].assume(rng.uniform(0, 1, 5))
         context = rng.integers(0, 4, size=40)  # small alphabet: lookup finds matches
         choice = policy.choose(make_state(context))
         assert choice.predicted_speed >= policy.plain_speed()
@@ -240,7 +265,7 @@ def test_the_first_round_is_plain_so_ttft_matches_plain_decoding():
     policy = AdaptivePolicy(flat_profile(), PromptLookupDrafter(), None, k_max=8)
     context = [5, 6, 7, 8, 9, 5, 6, 7]
     assert policy.choose(make_state(context, n_prompt=len(context))).k == 0     # first round
-    policy.estimates["lookup"].hits[:] = 0.95 * policy.estimates["lookup"].trials
+    policy.estimates["lookup"].assume(0.95)
     assert policy.choose(make_state(context + [8], n_prompt=len(context))).k > 0  # later rounds speculate
 
 
@@ -370,7 +395,7 @@ def test_auto_corrects_a_profile_that_a_busy_machine_bent():
                        key={"measured": "on a busy machine"})  # measured profiles (with a key) are corrected
     policy = AdaptivePolicy(bent, PromptLookupDrafter(), None, k_max=8)
     assert np.all(np.diff(policy._verify) >= 0)  # never cheaper for more rows
-    policy.estimates["lookup"].hits[:] = 0.6 * policy.estimates["lookup"].trials
+    policy.estimates["lookup"].assume(0.6)
 
     def true_cost(rows):  # this CPU: each extra row costs 0.8 of a step
         return 10 * MS * (1 + 0.8 * (rows - 1))
@@ -382,6 +407,6 @@ def test_auto_corrects_a_profile_that_a_busy_machine_bent():
     for _ in range(8):
         choice = policy.choose(make_state(context))
         policy.observe(choice, choice.k, 0, np.array([99]), pass_s=true_cost(choice.k + 1))
-        policy.estimates["lookup"].hits[:] = 0.6 * policy.estimates["lookup"].trials  # acceptance stays 0.6
+        policy.estimates["lookup"].assume(0.6)  # acceptance stays 0.6
         chosen.append(choice.k)
     assert chosen[0] > 0 and chosen[-3:] == [0, 0, 0], chosen  # tried on the bent curve, then corrected

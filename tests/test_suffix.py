@@ -163,9 +163,10 @@ def test_copies_that_disagree_cannot_both_pass():
     def policy_with(history):
         lookup, suffix = PromptLookupDrafter(), drafter_with(*history)
         policy = AdaptivePolicy(steep, lookup, None, k_max=3, suffix=suffix)
-        policy.estimates["lookup"].hits[:] = 0.9 * policy.estimates["lookup"].trials
+        policy.estimates["lookup"].assume(0.9)
         policy.calibration.trials[:] = 100.0
         policy.calibration.hits[:] = 95.0
+        policy.calibration.changed()
         return policy, lookup, suffix
 
     policy, lookup, suffix = policy_with([[1, 2, 3, 7, 8, 9]] * 3)  # earlier answers went on "7 8 9"
