@@ -650,7 +650,8 @@ def serve(
                           max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
                           prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
     if parallel != 1:  # N slots in one context, batched (each Ray replica holds its own N)
-        load = functools.partial(_load_parallel, target, auto_draft_option(target, draft), parallel, ctx=ctx,
+        the_draft = auto_draft_option(target, draft) if runtime == "llamacpp" else draft  # MLX: as loader._mlx_pair
+        load = functools.partial(_load_parallel, target, the_draft, parallel, ctx=ctx,
                                  threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                                  gpu_budget=gpu_budget, runtime=runtime, reserve_bytes=prefix_bytes,
@@ -678,12 +679,15 @@ def serve(
 
 def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, flash_attn, cache_type_k, cache_type_v,
                    verbose, budget, gpu_budget, runtime, reserve_bytes=0, draft_max=None):
-    """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft)."""
+    """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft), or MLX's
+    weights shared by a sequence per slot."""
     from edgespec.serve.slots import ParallelEngine, slot_context
 
     slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
-    if runtime != "llamacpp":
-        raise EdgespecError("--parallel runs llama.cpp (one KV sequence per slot in one context); drop --runtime")
+    if runtime not in ("llamacpp", "mlx"):
+        raise EdgespecError(f"--parallel runs llama.cpp or MLX (one KV sequence per slot); drop --runtime {runtime}")
+    if runtime == "mlx" and budget:
+        raise EdgespecError("--budget plans llama.cpp's memory; with --runtime mlx size the pool with --ctx")
     if flash_attn:
         raise EdgespecError("--parallel keeps flash attention off (the slots' cells interleave in one pool, and "
                             "llama.cpp's CPU flash attention then changes results); drop --flash-attn")
@@ -701,7 +705,7 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
                    err=True)
         return engine
     return ParallelEngine.load(target, draft, parallel=parallel, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
-                               type_k=cache_type_k, type_v=cache_type_v, verbose=verbose)
+                               type_k=cache_type_k, type_v=cache_type_v, verbose=verbose, runtime=runtime)
 
 
 def _ray_options(on_ray: bool, replicas: int | None, autoscale: str | None, address: str | None,

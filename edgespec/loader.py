@@ -159,10 +159,12 @@ def load_pair(target: Name | None = None, draft: Name | None = None, options: Lo
 
 
 def load_slots(target: Name | None, draft: Name | None, options: LoadOptions, *, n_seq: int):
-    """(target, draft or None) as llama.cpp runtimes holding `n_seq` sequences in one context each (no
-    target and no draft: the default model with its draft, as in `choose_draft`)."""
+    """(target, draft or None) as runtimes holding `n_seq` sequences each: llama.cpp's in one context (no
+    target and no draft: the default model with its draft, as in `choose_draft`), or MLX's on shared weights."""
+    if options.runtime == "mlx":
+        return _mlx_pair(target, draft, options, n_seq=n_seq)
     if options.runtime != "llamacpp":
-        raise EdgespecError("several sequences per context run on llama.cpp; drop --runtime")
+        raise EdgespecError(f"several sequences run on llama.cpp and MLX; drop --runtime {options.runtime}")
     draft = choose_draft(target, draft)
     llama = options.llamacpp()
     return open_llamacpp_pair(resolve(target), llama, resolve(draft) if draft else None, llama, n_seq=n_seq)
@@ -271,9 +273,10 @@ def resolve_mlx(name: Name) -> Path:
                          "directory or hf:OWNER/REPO)")
 
 
-def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
-    """A target and an optional draft, each a checkpoint directory or MLX repo, on mlx-lm."""
-    from edgespec.runtimes.mlx import MlxOptions, MlxRuntime, need_mlx
+def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions, *, n_seq: int | None = None):
+    """A target and an optional draft, each a checkpoint directory or MLX repo, on mlx-lm (with `n_seq`
+    sequences each when given)."""
+    from edgespec.runtimes.mlx import MlxMultiSeqRuntime, MlxOptions, MlxRuntime, need_mlx
 
     need_mlx()  # before any download: one line saying how to install it
     if target is None:
@@ -285,9 +288,13 @@ def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions):
     if draft is None:
         draft = bundles.mlx_draft(target)
     mlx = MlxOptions(n_ctx=options.n_ctx, n_batch=options.n_batch)
-    target_rt = MlxRuntime(resolve_mlx(target), mlx)
+
+    def open_mlx(name):
+        return MlxRuntime(resolve_mlx(name), mlx) if n_seq is None else MlxMultiSeqRuntime(resolve_mlx(name), mlx,
+                                                                                            n_seq=n_seq)
+    target_rt = open_mlx(target)
     try:
-        draft_rt = MlxRuntime(resolve_mlx(draft), mlx) if draft else None
+        draft_rt = open_mlx(draft) if draft else None
     except BaseException:
         target_rt.close()
         raise

@@ -140,6 +140,7 @@ class SeveralSequences(Protocol):
     evaluates several of them in one pass (the cloud verifier's sessions, `serve --parallel`'s slots)."""
 
     n_seq: int
+    batched: bool  # decode_batch evaluates the sequences in one pass (llama.cpp), not a pass each in turn (MLX)
 
     @property
     def cells_used(self) -> int:

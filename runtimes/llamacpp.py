@@ -911,6 +911,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
     """
 
     capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
+    batched = True  # one llama_decode call for every sequence's tokens
 
     def __init__(self, path: str | os.PathLike, options: LlamaCppOptions = LlamaCppOptions(), *, n_seq: int = 8,
                  identity: dict | None = None, streams: bool = True):

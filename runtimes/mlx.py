@@ -16,12 +16,14 @@ projection (Llama, Qwen2, Qwen3, and what mlx-lm maps onto them); others compute
 the tail. Inputs longer than `n_batch` run in passes of `n_batch` tokens. MLX is lazy: each pass
 evaluates the asked rows and the caches' new state together, so nothing else is computed.
 
-Several sequences: not declared. mlx-lm's BatchKVCache holds a batch left-padded behind one shared
-write index: `trim(n)` drops the last n positions of every row at once, and a pass appends the same
-number of tokens to every row. Speculation accepts a different count per sequence each round, so
-rolling one sequence back would mean splitting and re-merging the batch (`extract` / `merge`, copies
-of the whole cache) every round. So one sequence per runtime; `serve --parallel` and the cloud
-verifier's sessions run on llama.cpp.
+Several sequences (`MlxMultiSeqRuntime`, for `serve --parallel`): one model in memory and a set of
+mlx-lm caches per sequence, each sequence evaluated in a pass of its own. Not batched across
+sequences: mlx-lm's BatchKVCache holds a batch left-padded behind one shared write index, `trim(n)`
+drops the last n positions of every row at once and a pass appends the same number of tokens to every
+row, while speculation accepts a different count per sequence each round, so rolling one sequence
+back would mean splitting and re-merging the batch (`extract` / `merge`, copies of the whole cache)
+every round. The slots share the weights and keep their own prefixes; their passes take turns. The
+cloud verifier's sessions run on llama.cpp.
 
 Saved state: mlx-lm's prompt-cache format (a safetensors file of the caches' state), as bytes.
 
@@ -40,8 +42,9 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.errors import EdgespecError, ModelFileError
-from edgespec.runtimes.base import GrammarVocabulary, MemoryReport, ModelIdentity, SavedState, Sizing, TokenSequence
+from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
+from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, SavedState, SeveralSequences,
+                                    Sizing, TokenSequence)
 from edgespec.runtimes.hf_vocab import HFVocab, HFVocabMethods, read_json
 from edgespec.runtimes.identity import file_identity
 
@@ -120,21 +123,28 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
     capabilities = frozenset({ModelIdentity, SavedState, GrammarVocabulary})  # one sequence: no trees
 
     def __init__(self, path: str | os.PathLike, options: MlxOptions = MlxOptions(), *,
-                 identity: dict | None = None):
+                 identity: dict | None = None, weights_of: "MlxRuntime | None" = None):
+        """Load the model at `path`; or, with `weights_of`, a new sequence on that runtime's loaded
+        model (no second copy of the weights), as `MlxMultiSeqRuntime` makes its sequences."""
         mx = need_mlx()
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
         from mlx_lm.utils import load_model
 
         self.options = options
-        self.path = self.directory = model_directory(path)
-        self.identity = identity or directory_identity(self.directory)
-        self._config = read_json(self.directory / "config.json")
-        try:
-            self._model, _ = load_model(self.directory)
-        except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for what it cannot build
-            raise ModelFileError(f"MLX cannot load {self.directory} ({_reason(exc)}): its architecture or "
-                                 "quantization is not one this mlx-lm supports, or its files are incomplete"
-                                 ) from None
+        if weights_of is not None:
+            self.path = self.directory = weights_of.directory
+            self.identity = weights_of.identity
+            self._config, self._model = weights_of._config, weights_of._model
+        else:
+            self.path = self.directory = model_directory(path)
+            self.identity = identity or directory_identity(self.directory)
+            self._config = read_json(self.directory / "config.json")
+            try:
+                self._model, _ = load_model(self.directory)
+            except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for what it cannot build
+                raise ModelFileError(f"MLX cannot load {self.directory} ({_reason(exc)}): its architecture or "
+                                     "quantization is not one this mlx-lm supports, or its files are incomplete"
+                                     ) from None
         self._make_cache = make_prompt_cache
         self._cache = make_prompt_cache(self._model)
         if not can_trim_prompt_cache(self._cache):
@@ -142,12 +152,14 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
                                  "or recurrent state), which speculative decoding needs")
         self._plain_head = type(self._model).__module__.rsplit(".", 1)[-1] in _PLAIN_HEAD_MODULES
         self.n_vocab = self._vocab_rows()
-        self._vocab = HFVocab(self.directory, self.n_vocab, self._config)
+        self._vocab = weights_of._vocab if weights_of is not None else HFVocab(self.directory, self.n_vocab,
+                                                                                self._config)
         self.vocab = self._vocab.info
         self.n_ctx = options.n_ctx or int(self._config.get("max_position_embeddings") or 4096)
         self.n_batch = options.n_batch
-        self._dtype = self._activation_dtype()
+        self._dtype = weights_of._dtype if weights_of is not None else self._activation_dtype()
         self._start_sequence(self.n_ctx)
+        self._owns_weights = weights_of is None
         self._max_logit_rows = 0
         self._closed = False
         self.n_decode_calls = 0
@@ -294,14 +306,15 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
         return int(sum(v.nbytes for _, v in tree_flatten(self._model.parameters())))
 
     def memory(self) -> MemoryReport:
-        """Weights (parameter bytes as loaded), the KV caches as allocated (grown in steps of 256
-        positions), the largest logits block returned; under `other`, the token id array. MLX's own
+        """Weights (parameter bytes as loaded; none for a sequence sharing another's), the KV caches as
+        allocated (grown in steps of 256 positions), the largest logits block returned; under `other`, the token id array. MLX's own
         buffer cache and activations are not counted."""
         kv = 0
         for c in self._cache:
             for a in (getattr(c, "keys", None), getattr(c, "values", None)):
                 kv += int(a.nbytes) if a is not None else 0
-        return MemoryReport(weights=self.weight_bytes(), kv_cache=kv,
+        weights = self.weight_bytes() if self._owns_weights else 0  # a sibling sequence shares them
+        return MemoryReport(weights=weights, kv_cache=kv,
                             logits=self._max_logit_rows * self.n_vocab * 4, other={"tokens": self._tokens.nbytes})
 
     def close(self) -> None:
@@ -309,6 +322,124 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
         self._cache = []
 
     def __enter__(self) -> "MlxRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MlxMultiSeqRuntime(HFVocabMethods):
+    """One model in memory and up to `n_seq` independent sequences, each an `MlxRuntime` with caches of its
+    own on the shared weights (`serve --parallel`'s slots). Implements `SeveralSequences`.
+
+    `decode_batch` evaluates each named sequence in a pass of its own, one after another (see the
+    module's note: mlx-lm's batched caches cannot roll sequences back apart). The pool of n_ctx
+    positions is shared: the sequences together hold at most n_ctx. Memory: the weights once, and each
+    sequence's caches as they grow (256 positions at a time). Not thread-safe: one thread owns it.
+    """
+
+    name = "mlx"
+    capabilities = frozenset({SeveralSequences, ModelIdentity, GrammarVocabulary})
+    batched = False  # a pass per sequence, in turn
+
+    def __init__(self, path: str | os.PathLike, options: MlxOptions = MlxOptions(), *, n_seq: int = 4,
+                 identity: dict | None = None):
+        if not 1 <= n_seq <= 256:
+            raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
+        self._weights = MlxRuntime(path, options, identity=identity)  # its own cache stays empty
+        self._seqs = [MlxRuntime(self._weights.directory, options, weights_of=self._weights)
+                      for _ in range(n_seq)]
+        self.n_seq = n_seq
+        self.options = options
+        self.path = self.directory = self._weights.directory
+        self.identity = self._weights.identity
+        self._vocab = self._weights._vocab
+        self.vocab, self.n_vocab = self._weights.vocab, self._weights.n_vocab
+        self.n_ctx, self.n_batch = self._weights.n_ctx, self._weights.n_batch
+
+    @property
+    def sizing(self) -> Sizing:
+        return self._weights.sizing
+
+    def _seq(self, seq: int) -> MlxRuntime:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq} out of range 0..{self.n_seq - 1}")
+        return self._seqs[seq]
+
+    @property
+    def cells_used(self) -> int:
+        """Positions held by all sequences together (the pool has n_ctx of them)."""
+        return sum(rt.n_past for rt in self._seqs)
+
+    @property
+    def n_decode_calls(self) -> int:
+        return sum(rt.n_decode_calls for rt in self._seqs)
+
+    def decode_batch(self, work: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        """Append (seq, tokens, n_logits) to each sequence named, one pass per sequence; the logits of
+        each, float32 (n_logits, n_vocab). On failure every sequence is rolled back to where it was."""
+        seqs = [int(s) for s, _, _ in work]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("decode_batch: a sequence appears twice")
+        wanted = sum(len(np.asarray(t).reshape(-1)) for _, t, _ in work)
+        if self.cells_used + wanted > self.n_ctx:
+            raise ContextOverflowError(f"the KV pool of {self.n_ctx} positions is full ({self.cells_used} held)")
+        before = {s: self._seq(s).n_past for s in seqs}
+        try:
+            return [self._seqs[seq].decode(tokens, n_logits) for seq, tokens, n_logits in work]
+        except BaseException:
+            for s, n in before.items():
+                if self._seqs[s].n_past > n:
+                    self._seqs[s].truncate(n)
+            raise
+
+    def seq_n_past(self, seq: int) -> int:
+        return self._seq(seq).n_past
+
+    def seq_tokens(self, seq: int) -> np.ndarray:
+        return self._seq(seq).tokens
+
+    def seq_truncate(self, seq: int, n: int) -> None:
+        self._seq(seq).truncate(n)
+
+    def seq_clear(self, seq: int) -> None:
+        self._seq(seq).truncate(0)
+
+    def seq_save_state(self, seq: int) -> bytes:
+        return self._seq(seq).save_state()
+
+    def seq_load_state(self, seq: int, blob: bytes, tokens: Sequence[int]) -> None:
+        self._seq(seq).load_state(blob, tokens)
+
+    def sequence(self, seq: int, n_ctx: int) -> MlxRuntime:
+        """Sequence `seq` as the one-sequence runtime it is, held to n_ctx positions (its share of the pool)."""
+        rt = self._seq(seq)
+        if not 1 <= n_ctx <= self.n_ctx:
+            raise ValueError(f"a sequence's context must be 1..{self.n_ctx}, got {n_ctx}")
+        if rt.n_past > n_ctx:
+            raise ValueError(f"sequence {seq} holds {rt.n_past} positions, more than {n_ctx}")
+        held = rt.tokens
+        rt.n_ctx = n_ctx
+        rt._start_sequence(n_ctx)
+        rt._tokens[:len(held)], rt._n_past = held, len(held)
+        return rt
+
+    def compatibility_key(self) -> dict:
+        return self._weights.compatibility_key()
+
+    def memory(self) -> MemoryReport:
+        """The weights once; every sequence's caches and largest logits block."""
+        parts = [rt.memory() for rt in self._seqs]
+        return MemoryReport(weights=self._weights.weight_bytes(), kv_cache=sum(p.kv_cache for p in parts),
+                            logits=sum(p.logits for p in parts),
+                            other={"tokens": sum(p.other["tokens"] for p in parts)})
+
+    def close(self) -> None:
+        for rt in self._seqs:
+            rt.close()
+        self._weights.close()
+
+    def __enter__(self) -> "MlxMultiSeqRuntime":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -151,6 +151,42 @@ def test_memory_report(hf_tiny):
         assert mem.logits == 4 * rt.vocab.n_vocab * 4
 
 
+def test_several_sequences_share_the_weights_and_each_equals_a_runtime_alone(hf_tiny):
+    """`MlxMultiSeqRuntime` (serve --parallel's slots): interleaved passes and rollbacks of three
+    sequences give, with zero tolerance, the rows a one-sequence runtime gives the same tokens; the
+    pool is shared; a failed batch rolls every sequence back; the weights are held once."""
+    from edgespec.runtimes.base import SeveralSequences
+    from edgespec.runtimes.mlx import MlxMultiSeqRuntime, MlxOptions
+    from test_runtime_capabilities import declaration_mismatches
+
+    texts = [corpus_ids(hf_tiny["llama"], 120)[i::3] for i in range(3)]  # three different token streams
+    with MlxMultiSeqRuntime(hf_tiny["llama"], MlxOptions(n_ctx=64), n_seq=3) as multi, \
+            mlx_runtime(hf_tiny["llama"], n_ctx=64) as alone:
+        assert declaration_mismatches(multi) == [] and SeveralSequences in multi.capabilities
+        first = multi.decode_batch([(0, texts[0][:12], 2), (2, texts[2][:9], 9)])
+        multi.seq_truncate(0, 7)  # a rejected draft
+        later = multi.decode_batch([(0, texts[0][7:14], 7), (1, texts[1][:5], 1), (2, texts[2][9:12], 3)])
+        for seq, held, rows in zip(range(3), (texts[0][:14], texts[1][:5], texts[2][:12]), later):
+            assert multi.seq_tokens(seq).tolist() == held
+            alone.truncate(0)
+            assert np.array_equal(alone.decode(held, len(rows)), rows), f"sequence {seq}"
+        alone.truncate(0)
+        assert np.array_equal(alone.decode(texts[2][:9], 9), first[1])
+        assert multi.cells_used == 14 + 5 + 12
+        with pytest.raises(ContextOverflowError, match="pool of 64 positions is full"):
+            multi.decode_batch([(1, texts[1][5:25], 1), (2, texts[2][12:32], 1)])
+        with pytest.raises(ValueError, match="holds 12 positions"):
+            multi.sequence(2, 8)
+        view = multi.sequence(1, 20)  # its share: sequence 1 may hold 20
+        with pytest.raises(ContextOverflowError):  # sequence 0's pass goes in, sequence 1's does not fit
+            multi.decode_batch([(0, texts[0][14:16], 1), (1, texts[1][5:25], 1)])
+        assert [multi.seq_n_past(s) for s in range(3)] == [14, 5, 12]  # both rolled back, sequence 0 included
+        assert view.tokens.tolist() == texts[1][:5]
+        mem = multi.memory()
+        assert mem.weights == alone.memory().weights and view.memory().weights == 0  # the weights once
+        assert mem.kv_cache == 3 * alone.memory().kv_cache  # each sequence's caches: one step of 256 positions
+
+
 def test_vocabulary_and_tokenizer_match_the_onnx_runtime_reading(hf_tiny):
     """The same HFVocab reading as the ONNX runtime (checked there against llama.cpp for every id)."""
     from edgespec.runtimes.hf_vocab import HFVocab

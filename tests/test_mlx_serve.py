@@ -1,6 +1,6 @@
-"""The MLX runtime behind the project's front ends: `serve --runtime mlx` through the openai client,
-chat with KV reuse and saved conversations, and cloud-edge speculation with the device drafting on
-MLX against a llama.cpp verifier of the same weights.
+"""The MLX runtime behind the project's front ends: `serve --runtime mlx` (one slot and `--parallel`)
+through the openai client, chat with KV reuse and saved conversations, and cloud-edge speculation
+with the device drafting on MLX against a llama.cpp verifier of the same weights.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from edgespec.conversation import Conversation  # noqa: E402
 from edgespec.engine import Engine, GenerationConfig  # noqa: E402
 from lossless import compare_greedy  # noqa: E402
 from test_onnx_runtime import prompts  # noqa: E402
-from test_server import running_server  # noqa: E402
+from test_server import free_port, running_server  # noqa: E402
 
 KEY = "mlx-test-key"
 GREEDY = GenerationConfig(max_tokens=16, temperature=0, mode="ar")
@@ -79,6 +79,49 @@ def test_chat_on_mlx_prefills_only_new_messages_and_restores_a_saved_conversatio
         assert reply.text() == expected
         assert other.target.n_decoded_tokens - decoded - reply.result.stats.rounds == reply.result.stats.prefilled_tokens
         assert reply.result.stats.cached_tokens > 0
+
+
+def test_serve_parallel_on_mlx_answers_concurrent_requests_as_the_library_does_alone(hf_tiny, tmp_path):
+    """`serve --parallel 2 --runtime mlx`: two slots on one copy of the weights, a cache each. Four
+    requests at once: each answer is what the library gives that request alone (MLX's batched and
+    one-token logits agree exactly on this CPU, test_mlx_runtime's spread), so a slot that read
+    another's cache or a rollback that left a rejected draft would change the text."""
+    import threading
+
+    from test_parallel import wait_slots_idle
+
+    questions = QUESTIONS + ["Why do rivers bend?"]
+    with running_server(tmp_path / "server.log", "--target", hf_tiny["llama"], "--draft", hf_tiny["llama_draft"],
+                        "--runtime", "mlx", "--mode", "draft", "--parallel", 2, "--ctx", 1024, "--api-key", KEY,
+                        "--model-name", "tiny") as url, mlx_engine(hf_tiny) as library:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        answers: dict[int, str] = {}
+
+        def ask(i):
+            got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": questions[i]}],
+                                                 max_tokens=24, temperature=0)
+            answers[i] = got.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        slots = wait_slots_idle(url)["slots"]
+        assert slots["max_active"] == 2 and slots["batched_steps"] > 0, slots  # both slots ran at once
+        for i, question in enumerate(questions):
+            want = library.generate([{"role": "user", "content": question}],
+                                    GenerationConfig(max_tokens=24, temperature=0, mode="draft")).text
+            assert answers.get(i) == want, (question, answers.get(i), want)
+
+
+def test_serve_parallel_runs_on_llama_cpp_and_mlx_only(hf_tiny, tmp_path):
+    for runtime in ("onnx", "coreml"):
+        proc = subprocess.run([sys.executable, "-m", "edgespec.cli", "serve", "--target", str(hf_tiny["llama"]),
+                               "--runtime", runtime, "--parallel", "2", "--port", str(free_port())],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "EDGESPEC_DEBUG": ""})
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and "--parallel runs llama.cpp or MLX" in proc.stderr, proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -56,12 +56,12 @@ def runtime_classes() -> list[type]:
     from edgespec.exporters.coreml_reference import TorchReferenceRuntime
     from edgespec.runtimes.coreml import CoreMLRuntime
     from edgespec.runtimes.llamacpp import LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppRuntime, LlamaCppSequence
-    from edgespec.runtimes.mlx import MlxRuntime
+    from edgespec.runtimes.mlx import MlxMultiSeqRuntime, MlxRuntime
     from edgespec.runtimes.onnx_layered import LayeredOnnxRuntime
     from edgespec.runtimes.onnxrt import OnnxRuntime
 
     return [LlamaCppRuntime, LlamaCppMtpRuntime, LlamaCppMultiSeqRuntime, LlamaCppSequence, OnnxRuntime, LayeredOnnxRuntime,
-            CoreMLRuntime, TorchReferenceRuntime, MlxRuntime]
+            CoreMLRuntime, TorchReferenceRuntime, MlxRuntime, MlxMultiSeqRuntime]
 
 
 def test_the_protocols_name_their_members():

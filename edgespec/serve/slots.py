@@ -1,7 +1,8 @@
 """Parallel slots: several requests decoded together, one batched target pass per step.
 
 N slots share one llama.cpp context: one KV sequence each in a unified pool
-(`LlamaCppMultiSeqRuntime`, the runtime the cloud verifier batches its sessions with). Each slot has
+(`LlamaCppMultiSeqRuntime`, the runtime the cloud verifier batches its sessions with); on MLX
+(`MlxMultiSeqRuntime`) they share the weights and the "one pass" is a pass per slot in turn. Each slot has
 its own `Engine` over its sequence (`LlamaCppSequence`), so a request keeps its own policy, drafters,
 draft length, sampler and acceptance rule. One step, for the requests active now:
 
@@ -109,13 +110,15 @@ class ParallelEngine:
     @classmethod
     def load(cls, target: str | None, draft: str | None = None, *, parallel: int, n_ctx: int = 4096,
              n_threads: int | None = None, n_gpu_layers: int | None = None, type_k: str = "f16",
-             type_v: str = "f16", offload_kqv: bool = True, verbose: bool = False) -> "ParallelEngine":
-        """Load models by name (edgespec.loader) with `parallel` slots sharing a pool of `n_ctx` KV cells."""
+             type_v: str = "f16", offload_kqv: bool = True, verbose: bool = False,
+             runtime: str = "llamacpp") -> "ParallelEngine":
+        """Load models by name (edgespec.loader) with `parallel` slots sharing a pool of `n_ctx` KV cells
+        (llama.cpp, or MLX: see `edgespec.runtimes.mlx.MlxMultiSeqRuntime`)."""
         from edgespec.loader import LoadOptions, load_slots
 
         per_slot = slot_context(n_ctx, parallel)
         options = LoadOptions(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, type_k=type_k,
-                              type_v=type_v, offload_kqv=offload_kqv, verbose=verbose)
+                              type_v=type_v, offload_kqv=offload_kqv, verbose=verbose, runtime=runtime)
         target_rt, draft_rt = load_slots(target, draft, options, n_seq=parallel)
         try:
             return cls(target_rt, draft_rt, slot_ctx=per_slot)
@@ -363,7 +366,9 @@ class SlotScheduler(Submitter):
     def _step(self) -> None:
         """One target pass over every active request's rows, then each request's acceptance."""
         work, plans = [], []
-        others = self._last_rows
+        # Rows the other requests put into the same pass, which auto weighs; passes that take turns
+        # (MLX) share nothing, so each request pays for its own pass alone.
+        others = self._last_rows if self.engine.target.batched else 0
         for slot in self.slots:
             if slot.gen is None:
                 continue
