@@ -82,6 +82,11 @@ def check_mtp_target(target: str | None) -> None:
                             "or a model that has an MTP head (`edgespec models list` shows which do)")
 
 
+# Runtimes the planner does not model: under --budget the memory guard alone keeps them, its estimates from
+# the runtimes' own memory reports (edgespec.machine.guard.guard_loaded).
+GUARDED_RUNTIMES = ("onnx", "mlx", "coreml")
+
+
 def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, threads: int | None,
                 gpu_layers: int | None, flash_attn: bool | None, cache_type_k: str, cache_type_v: str, verbose: bool,
                 budget: str | None = None, gpu_budget: str | None = None, draft_max: int | None = None,
@@ -100,7 +105,10 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
         draft = auto_draft_option(target, draft, mode)
     if kv_resident is not None and runtime != "onnx":
         raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
-    if runtime == "onnx" and budget is not None and gpu_budget is None:  # no plan for ONNX: the guard alone
+    if runtime != "llamacpp" and gpu_budget is not None:
+        raise EdgespecError(f"--gpu-budget plans llama.cpp's GPU offload; drop it or --runtime {runtime} (--budget "
+                            "alone guards this runtime's memory)")
+    if runtime in GUARDED_RUNTIMES and budget is not None:  # no plan for them: the guard alone
         from edgespec.machine.guard import guard_loaded
         from edgespec.machine.memory import parse_size
 
@@ -112,9 +120,6 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
             engine.close()
             raise
         return engine
-    if runtime != "llamacpp" and (budget is not None or gpu_budget is not None):
-        raise EdgespecError(f"--budget plans llama.cpp setups (and guards ONNX Runtime's); drop --budget or "
-                            f"--runtime {runtime}")
     if budget is None and gpu_budget is None:
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
                            flash_attn=flash_attn, type_k=cache_type_k, type_v=cache_type_v, verbose=verbose,
@@ -686,14 +691,23 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
     slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
     if runtime not in ("llamacpp", "mlx"):
         raise EdgespecError(f"--parallel runs llama.cpp or MLX (one KV sequence per slot); drop --runtime {runtime}")
-    if runtime == "mlx" and budget:
-        raise EdgespecError("--budget plans llama.cpp's memory; with --runtime mlx size the pool with --ctx")
     if flash_attn:
         raise EdgespecError("--parallel keeps flash attention off (the slots' cells interleave in one pool, and "
                             "llama.cpp's CPU flash attention then changes results); drop --flash-attn")
     if gpu_budget:
         raise EdgespecError("--gpu-budget does not plan --parallel yet; use --budget (host memory) or size the pool "
                             "with --ctx")
+    if budget and runtime == "mlx":  # no plan for MLX: the guard alone, as for one slot
+        from edgespec.machine.guard import guard_loaded
+        from edgespec.machine.memory import parse_size
+
+        engine = ParallelEngine.load(target, draft, parallel=parallel, n_ctx=ctx, runtime=runtime)
+        try:
+            guard_loaded(engine, parse_size(budget))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
     if budget:
         from edgespec.machine.planner import apply_budget_parallel
 

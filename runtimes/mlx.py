@@ -303,6 +303,8 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
     def weight_bytes(self) -> int:
         from mlx.utils import tree_flatten
 
+        if self._model is None:  # closed
+            return 0
         return int(sum(v.nbytes for _, v in tree_flatten(self._model.parameters())))
 
     def memory(self) -> MemoryReport:
@@ -318,8 +320,12 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
                             logits=self._max_logit_rows * self.n_vocab * 4, other={"tokens": self._tokens.nbytes})
 
     def close(self) -> None:
+        """Drop the caches and this runtime's hold on the weights (they go with the last runtime holding
+        them), and hand MLX's cached buffers back, so a closed draft model's memory is returned."""
         self._closed = True
         self._cache = []
+        self._model = None
+        self._mx.clear_cache()
 
     def __enter__(self) -> "MlxRuntime":
         return self

@@ -359,6 +359,40 @@ def test_an_mlx_repo_whose_quantization_mlx_cannot_load_is_refused(mlx_4bit, tmp
         mlx_runtime(bad)
 
 
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_under_a_budget_mlx_is_guarded_and_unloading_the_draft_gives_its_memory_back(hf_tiny, tmp_path, parallel):
+    """MLX loads (one engine, and serve --parallel's slots) get the guard's ladder under --budget, sized by
+    the runtimes' own reports; under pressure the draft goes, resident memory falls by what the guard
+    estimated, and generation goes on model-free."""
+    from edgespec.cli import _load_parallel, load_engine
+    from edgespec.machine.guard import trim_heap
+    from edgespec.machine.memory import current_rss
+    from hf_models import write_tiny_checkpoint
+
+    # a draft big enough that its memory shows in the resident set (about 100 MB of float32), same tokenizer
+    big = write_tiny_checkpoint(tmp_path / "big-draft", family="llama", tokenizer="gpt2", seed=5, n_layer=8,
+                                hidden=512, n_head=8, n_head_kv=4, ff=1536)
+    budget = str(current_rss() * 4)
+    flags = dict(ctx=512, threads=1, gpu_layers=None, flash_attn=None, cache_type_k="f16", cache_type_v="f16",
+                 verbose=False, budget=budget, runtime="mlx")
+    engine = (load_engine(str(hf_tiny["llama"]), str(big), "auto", **flags) if parallel == 1 else
+              _load_parallel(str(hf_tiny["llama"]), str(big), parallel, gpu_budget=None, **flags))
+    with engine:
+        guard = engine.memory_guard
+        assert {r.step for r in guard.releasers} == {"suffix_history", "draft_model"}
+        estimate = guard.estimates()["draft_model"]
+        assert estimate > 80 * 2**20
+        trim_heap()
+        guard.budget_bytes = int(current_rss() / 0.98)  # pressure: the draft is what there is to give up
+        guard.check()
+        assert engine.draft_runtime is None
+        step = next(r for r in guard.released if r["step"] == "draft_model")
+        assert step["rss_before"] - step["rss_after"] >= 0.6 * estimate, (step, estimate)
+        front = engine.engines[0] if parallel > 1 else engine
+        ids = front.prompt_tokens("Hello there", raw=True)
+        assert len(front.generate_tokens(ids, GenerationConfig(max_tokens=6, temperature=0, mode="auto")).tokens) == 6
+
+
 def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "edgespec.cli", *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, "EDGESPEC_DEBUG": "", **(env or {})}, timeout=300)
@@ -375,6 +409,14 @@ def test_cli_runs_mlx_and_refuses_bad_input_in_one_line(hf_tiny, tmp_path):
     proc = cli(*base, "--draft", hf_tiny["qwen2"], "--mode", "draft", env=home)  # another tokenizer
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: the draft's vocabulary does not match the target's")
+
+    proc = cli(*base, "--budget", "8G", "--json", env=home)  # no plan for MLX: the guard holds it
+    assert proc.returncode == 0 and '"tokens"' in proc.stdout, proc.stderr
+    proc = cli(*base, "--budget", "1M", env=home)
+    assert proc.returncode == 2 and "over the --budget of 1.0 MiB" in proc.stderr, proc.stderr
+    proc = cli(*base, "--budget", "8G", "--gpu-budget", "1G", env=home)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--gpu-budget plans llama.cpp's GPU offload; drop it or --runtime mlx" in proc.stderr
 
     shadow = tmp_path / "no-mlx"  # an `mlx` package that cannot be imported: as if MLX were not installed
     (shadow / "mlx").mkdir(parents=True)

@@ -447,7 +447,7 @@ def test_cli_generate_runs_a_bundle_on_onnx_runtime(tiny_bundle, tmp_path):
     proc = generate("--runtime", "onnx", "--budget", "1M")
     assert proc.returncode == 2 and "over the --budget of 1.0 MiB" in proc.stderr
     proc = generate("--runtime", "onnx", "--budget", "8G", "--gpu-budget", "1G")
-    assert proc.returncode == 2 and "drop --budget or --runtime onnx" in proc.stderr
+    assert proc.returncode == 2 and "--gpu-budget plans llama.cpp's GPU offload; drop it or --runtime onnx" in proc.stderr
 
 
 def test_bundle_self_draft_is_the_listed_quant(exported, tmp_path):
