@@ -114,11 +114,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
 
         engine = Engine.load(target, draft, n_ctx=ctx, n_threads=threads, runtime=runtime, kv_resident=kv_resident,
                              verbose=verbose)
-        try:
-            guard_loaded(engine, parse_size(budget))
-        except BaseException:
-            engine.close()
-            raise
+        guard_loaded(engine, parse_size(budget))
         return engine
     if budget is None and gpu_budget is None:
         return Engine.load(target, draft, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers,
@@ -702,11 +698,7 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
         from edgespec.machine.memory import parse_size
 
         engine = ParallelEngine.load(target, draft, parallel=parallel, n_ctx=ctx, runtime=runtime)
-        try:
-            guard_loaded(engine, parse_size(budget))
-        except BaseException:
-            engine.close()
-            raise
+        guard_loaded(engine, parse_size(budget))
         return engine
     if budget:
         from edgespec.machine.planner import apply_budget_parallel

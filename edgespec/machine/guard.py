@@ -292,9 +292,10 @@ def offer_engine_steps(guard: "MemoryGuard", engine, planned_draft_bytes: int | 
 def guard_loaded(engine, budget_bytes: int) -> "MemoryGuard":
     """A guard for an engine (or a ParallelEngine) loaded without a plan (ONNX Runtime, MLX and Core ML, which
     the planner does not model): the same ladder, its estimates from the runtimes' own reports. Refuses a
-    process already over budget."""
+    process already over budget, closing the engine."""
     rss = current_rss()
     if rss >= budget_bytes:
+        engine.close()
         raise EdgespecError(f"the models alone hold {format_bytes(rss)}, over the --budget of "
                             f"{format_bytes(budget_bytes)}; raise --budget or use smaller models")
     guard = MemoryGuard(budget_bytes)
