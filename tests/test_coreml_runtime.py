@@ -10,8 +10,10 @@ Core ML itself needs macOS 15+: those tests are written in full and skipped else
 from __future__ import annotations
 
 import copy
+import os
 import platform
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -226,6 +228,12 @@ def test_loading_off_macos_is_refused_in_one_line(bundle, package):
         with pytest.raises(CoreMLUnavailableError) as e:
             load()
         assert str(e.value) == "Core ML prediction needs macOS 15+; this is Linux"
+    # --budget is taken on Core ML (the guard alone, as on ONNX Runtime and MLX): what stops it here is the platform
+    proc = subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", "Hi", "--target", str(bundle), "--runtime",
+                           "coreml", "--budget", "8G", "-n", "4"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "EDGESPEC_DEBUG": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: Core ML prediction needs macOS 15+; this is Linux"
 
 
 def test_bundle_paths(bundle, tmp_path):
@@ -457,6 +465,28 @@ def test_coreml_rollback_equals_fresh(bundle, package):
         fresh = rt.decode(ids + [50, 99], 1)
     assert np.abs(after - fresh).max() <= 0.05  # fp16 compute, different call shapes
     assert after.argmax() == fresh.argmax()
+
+
+@needs_coreml
+def test_under_a_budget_the_coreml_engine_is_guarded(bundle):
+    """Core ML loads get the guard's ladder under --budget (no plan: the runtimes' own reports size it);
+    under pressure the draft goes and generation goes on model-free."""
+    from edgespec.cli import load_engine
+    from edgespec.engine import GenerationConfig
+    from edgespec.machine.guard import trim_heap
+    from edgespec.machine.memory import current_rss
+
+    engine = load_engine(str(bundle), None, "auto", ctx=MAX_CONTEXT, threads=1, gpu_layers=None, flash_attn=None,
+                         cache_type_k="f16", cache_type_v="f16", verbose=False, budget=str(current_rss() * 4),
+                         runtime="coreml")
+    with engine:
+        guard = engine.memory_guard
+        assert {r.step for r in guard.releasers} == {"suffix_history", "draft_model"}
+        trim_heap()
+        guard.budget_bytes = int(current_rss() / 0.98)
+        ids = prompt_ids(engine.target)
+        assert len(engine.generate_tokens(ids, GenerationConfig(max_tokens=8, temperature=0, mode="auto")).tokens) == 8
+        assert engine.draft_runtime is None and "draft_model" in [r["step"] for r in guard.released]
 
 
 @needs_coreml
