@@ -309,8 +309,8 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
 
     def memory(self) -> MemoryReport:
         """Weights (parameter bytes as loaded; none for a sequence sharing another's), the KV caches as
-        allocated (grown in steps of 256 positions), the largest logits block returned; under `other`, the token id array. MLX's own
-        buffer cache and activations are not counted."""
+        allocated (grown in steps of 256 positions), the largest logits block returned; under `other`,
+        the token id array. MLX's own buffer cache and activations are not counted."""
         kv = 0
         for c in self._cache:
             for a in (getattr(c, "keys", None), getattr(c, "values", None)):
