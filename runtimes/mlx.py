@@ -255,6 +255,15 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
             raise EdgespecError(f"MLX trimmed {trimmed} of {self._n_past - n} cached positions")
         self._n_past = n
 
+    def release_cache(self) -> int:
+        """Hold nothing, giving the caches' memory back (fresh empty caches replace them; truncate keeps
+        the arrays for reuse). Returns the bytes the caches held."""
+        held = self.memory().kv_cache
+        self._cache = self._make_cache(self._model)
+        self._n_past = 0
+        self._mx.clear_cache()
+        return held
+
     # -- saved state ------------------------------------------------------------------------------
 
     def compatibility_key(self) -> dict:
@@ -410,6 +419,14 @@ class MlxMultiSeqRuntime(HFVocabMethods):
 
     def seq_clear(self, seq: int) -> None:
         self._seq(seq).truncate(0)
+
+    def seq_kv_bytes(self, seq: int) -> int:
+        """Bytes sequence `seq`'s caches hold: memory of its own, which `seq_release` gives back."""
+        return self._seq(seq).memory().kv_cache
+
+    def seq_release(self, seq: int) -> int:
+        """Clear sequence `seq` and give its caches' memory back; the bytes they held."""
+        return self._seq(seq).release_cache()
 
     def seq_save_state(self, seq: int) -> bytes:
         return self._seq(seq).save_state()

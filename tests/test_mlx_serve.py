@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 if sys.platform == "darwin" and platform.machine() != "arm64":
@@ -113,6 +114,44 @@ def test_serve_parallel_on_mlx_answers_concurrent_requests_as_the_library_does_a
             want = library.generate([{"role": "user", "content": question}],
                                     GenerationConfig(max_tokens=24, temperature=0, mode="draft")).text
             assert answers.get(i) == want, (question, answers.get(i), want)
+
+
+def test_under_a_budget_idle_mlx_slots_give_their_kept_kv_back(tmp_path):
+    """On MLX each slot's caches are its own memory: under pressure the guard's first step drops what
+    idle slots keep (with the prefix cache), and the resident set falls by at least 0.6 of its estimate;
+    the slots then answer as before."""
+    import mlx.core as mx
+
+    from edgespec.machine.guard import guard_loaded, trim_heap
+    from edgespec.machine.memory import current_rss
+    from edgespec.serve.slots import ParallelEngine, SlotScheduler
+    from hf_models import write_tiny_checkpoint
+
+    # 16 KiB of KV a position (8 layers, 4 KV heads of 64), so 768 kept positions a slot show in the resident set
+    model = write_tiny_checkpoint(tmp_path / "wide", family="llama", tokenizer="gpt2", seed=6, n_layer=8, hidden=256,
+                                  n_head=4, n_head_kv=4, ff=64, max_positions=4096)
+    engine = ParallelEngine.load(str(model), None, parallel=2, n_ctx=4096, runtime="mlx")
+    guard = guard_loaded(engine, current_rss() * 4)
+    scheduler = SlotScheduler(engine)
+    try:
+        rng = np.random.default_rng(0)
+        engine.target.decode_batch([(s, rng.integers(5, 300, 768), 1) for s in range(2)])  # what requests left
+        estimate = guard.estimates()["saved_state"]
+        assert estimate == 2 * 768 * 16 * 1024  # two slots' caches (grown in steps of 256 positions)
+        mx.clear_cache()  # the passes' freed buffers go now, so what falls below is the caches alone
+        trim_heap()
+        guard.budget_bytes = int(current_rss() / 0.98)
+        guard.check()  # nothing runs: the worker waits for a request
+        step = guard.released[0]
+        assert step["step"] == "saved_state" and [engine.target.seq_n_past(s) for s in range(2)] == [0, 0]
+        assert step["rss_before"] - step["rss_after"] >= 0.6 * estimate, (step, estimate)
+        ids = [int(t) for t in rng.integers(5, 300, 20)]
+        cfg = GenerationConfig(max_tokens=6, temperature=0, mode="ar")
+        with Engine.load(str(model), None, runtime="mlx", n_ctx=512) as alone:
+            assert engine.front.generate_tokens(ids, cfg).tokens == alone.generate_tokens(ids, cfg).tokens
+    finally:
+        scheduler.close()
+        engine.close()
 
 
 def test_serve_parallel_runs_on_llama_cpp_and_mlx_only(hf_tiny, tmp_path):

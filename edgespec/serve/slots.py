@@ -185,6 +185,12 @@ class SlotScheduler(Submitter):
                          "mixed_steps": 0}
         self._profile = engine.front._profile
         self._last_rows = 0
+        if engine.memory_guard is not None and hasattr(engine.target, "seq_release"):
+            # On MLX each slot's caches are memory of its own: an idle slot's kept prefix can be given back
+            # (llama.cpp's pool is allocated once, so clearing its cells frees nothing).
+            from edgespec.machine.guard import CallbackReleaser
+
+            engine.memory_guard.offer(CallbackReleaser("saved_state", self._idle_kv_bytes, self._release_idle_kv))
         self._start_worker("edgespec-slots")
 
     # -- any thread -------------------------------------------------------------------------------
@@ -238,6 +244,20 @@ class SlotScheduler(Submitter):
                 slot.gen.cancel()
         self._jobs.put(None)
         self._thread.join(timeout=30)
+
+    def _idle_runtimes(self):
+        """(runtime, sequence) of every free slot, target and draft."""
+        owners = [rt for rt in (self.engine.target, self.engine.draft_runtime) if rt is not None]
+        return [(rt, s.index) for s in self.slots if s.gen is None for rt in owners]
+
+    def _idle_kv_bytes(self) -> int:
+        return sum(rt.seq_kv_bytes(i) for rt, i in self._idle_runtimes())
+
+    def _release_idle_kv(self) -> str:
+        """The memory guard's step, on the worker thread (between steps) or while nothing runs."""
+        pairs = self._idle_runtimes()
+        freed = sum(rt.seq_release(i) for rt, i in pairs)
+        return f"dropped the KV kept by idle slots ({freed / 2**20:.1f} MiB)"
 
     # -- the worker thread ----------------------------------------------------------------------------
 
