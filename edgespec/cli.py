@@ -64,10 +64,14 @@ HISTORY_FILE = typer.Option(None, "--history-file",
                             help="earlier outputs for suffix drafting: loaded from this file if it exists, saved back at the end")
 
 
-def auto_draft_option(target: str | None, draft: str | None, mode: str | None = None) -> str | None:
-    """The --draft to load (edgespec.loader.choose_draft): `auto` said on stderr, `--mode draft`'s pair."""
+def auto_draft_option(target: str | None, draft: str | None, mode: str | None = None,
+                      runtime: str = "llamacpp") -> str | None:
+    """The --draft to load (edgespec.loader.choose_draft): `auto` said on stderr, `--mode draft`'s pair. On
+    MLX the draft is given as is: auto picks among installed GGUF models, and the MLX loader says so."""
     from edgespec.loader import choose_draft
 
+    if runtime == "mlx":
+        return draft
     return choose_draft(target, draft, mode=mode, notify=lambda message: typer.echo(message, err=True))
 
 
@@ -101,8 +105,7 @@ def load_engine(target: str | None, draft: str | None, mode: str, *, ctx: int, t
 
     if mode == "mtp" and runtime == "llamacpp":
         check_mtp_target(target)
-    if runtime != "mlx":  # draft auto picks among installed GGUF models; mlx reports it (edgespec.loader)
-        draft = auto_draft_option(target, draft, mode)
+    draft = auto_draft_option(target, draft, mode, runtime)
     if kv_resident is not None and runtime != "onnx":
         raise EdgespecError("--kv-resident offloads the KV of ONNX layer graphs; add --runtime onnx")
     if runtime != "llamacpp" and gpu_budget is not None:
@@ -651,9 +654,9 @@ def serve(
                           max_tokens_limit=max_tokens_limit, max_request_bytes=max_request_kb * 1024,
                           prefix_cache_bytes=prefix_bytes, reuse_prefix=not no_prefix_reuse)
     if parallel != 1:  # N slots in one context, batched (each Ray replica holds its own N)
-        the_draft = auto_draft_option(target, draft) if runtime == "llamacpp" else draft  # MLX: as loader._mlx_pair
-        load = functools.partial(_load_parallel, target, the_draft, parallel, ctx=ctx,
-                                 threads=threads, gpu_layers=gpu_layers, flash_attn=flash_attn,
+        the_draft = auto_draft_option(target, draft, runtime=runtime)
+        load = functools.partial(_load_parallel, target, the_draft, parallel, ctx=ctx, threads=threads,
+                                 gpu_layers=gpu_layers, flash_attn=flash_attn,
                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose, budget=budget,
                                  gpu_budget=gpu_budget, runtime=runtime, reserve_bytes=prefix_bytes,
                                  draft_max=draft_max)
@@ -682,10 +685,11 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
                    verbose, budget, gpu_budget, runtime, reserve_bytes=0, draft_max=None):
     """`serve --parallel N`: one llama.cpp context holding a sequence per slot (target and draft), or MLX's
     weights shared by a sequence per slot."""
+    from edgespec.loader import SLOT_RUNTIMES
     from edgespec.serve.slots import ParallelEngine, slot_context
 
     slot_context(ctx, parallel)  # a bad --parallel / --ctx pair is said before loading anything
-    if runtime not in ("llamacpp", "mlx"):
+    if runtime not in SLOT_RUNTIMES:
         raise EdgespecError(f"--parallel runs llama.cpp or MLX (one KV sequence per slot); drop --runtime {runtime}")
     if flash_attn:
         raise EdgespecError("--parallel keeps flash attention off (the slots' cells interleave in one pool, and "
@@ -693,7 +697,7 @@ def _load_parallel(target, draft, parallel: int, *, ctx, threads, gpu_layers, fl
     if gpu_budget:
         raise EdgespecError("--gpu-budget does not plan --parallel yet; use --budget (host memory) or size the pool "
                             "with --ctx")
-    if budget and runtime == "mlx":  # no plan for MLX: the guard alone, as for one slot
+    if budget and runtime in GUARDED_RUNTIMES:  # no plan (MLX): the guard alone, as for one slot
         from edgespec.machine.guard import guard_loaded
         from edgespec.machine.memory import parse_size
 

@@ -32,6 +32,7 @@ from edgespec.models import bundles, catalog, store
 from edgespec.models.catalog import DEFAULT_MODEL
 
 RUNTIMES = ("llamacpp", "onnx", "coreml", "mlx")
+SLOT_RUNTIMES = ("llamacpp", "mlx")  # those holding several sequences (serve --parallel): load_slots
 TREE_BRANCHES = 4  # sequences a target may use to verify a token tree (main chain + 3 siblings)
 
 Name = str | os.PathLike
@@ -161,10 +162,10 @@ def load_pair(target: Name | None = None, draft: Name | None = None, options: Lo
 def load_slots(target: Name | None, draft: Name | None, options: LoadOptions, *, n_seq: int):
     """(target, draft or None) as runtimes holding `n_seq` sequences each: llama.cpp's in one context (no
     target and no draft: the default model with its draft, as in `choose_draft`), or MLX's on shared weights."""
+    if options.runtime not in SLOT_RUNTIMES:
+        raise EdgespecError(f"several sequences run on llama.cpp and MLX; drop --runtime {options.runtime}")
     if options.runtime == "mlx":
         return _mlx_pair(target, draft, options, n_seq=n_seq)
-    if options.runtime != "llamacpp":
-        raise EdgespecError(f"several sequences run on llama.cpp and MLX; drop --runtime {options.runtime}")
     draft = choose_draft(target, draft)
     llama = options.llamacpp()
     return open_llamacpp_pair(resolve(target), llama, resolve(draft) if draft else None, llama, n_seq=n_seq)
@@ -290,8 +291,9 @@ def _mlx_pair(target: Name | None, draft: Name | None, options: LoadOptions, *, 
     mlx = MlxOptions(n_ctx=options.n_ctx, n_batch=options.n_batch)
 
     def open_mlx(name):
-        return MlxRuntime(resolve_mlx(name), mlx) if n_seq is None else MlxMultiSeqRuntime(resolve_mlx(name), mlx,
-                                                                                            n_seq=n_seq)
+        path = resolve_mlx(name)
+        return MlxRuntime(path, mlx) if n_seq is None else MlxMultiSeqRuntime(path, mlx, n_seq=n_seq)
+
     target_rt = open_mlx(target)
     try:
         draft_rt = open_mlx(draft) if draft else None

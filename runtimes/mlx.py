@@ -255,6 +255,13 @@ class MlxRuntime(HFVocabMethods, TokenSequence):
             raise EdgespecError(f"MLX trimmed {trimmed} of {self._n_past - n} cached positions")
         self._n_past = n
 
+    def limit_context(self, n_ctx: int) -> None:
+        """Hold at most n_ctx positions from now on (a slot's share of a pool), keeping what is held."""
+        held = self.tokens
+        self.n_ctx = n_ctx
+        self._start_sequence(n_ctx)
+        self._tokens[:len(held)], self._n_past = held, len(held)
+
     def release_cache(self) -> int:
         """Hold nothing, giving the caches' memory back (fresh empty caches replace them; truncate keeps
         the arrays for reuse). Returns the bytes the caches held."""
@@ -441,10 +448,7 @@ class MlxMultiSeqRuntime(HFVocabMethods):
             raise ValueError(f"a sequence's context must be 1..{self.n_ctx}, got {n_ctx}")
         if rt.n_past > n_ctx:
             raise ValueError(f"sequence {seq} holds {rt.n_past} positions, more than {n_ctx}")
-        held = rt.tokens
-        rt.n_ctx = n_ctx
-        rt._start_sequence(n_ctx)
-        rt._tokens[:len(held)], rt._n_past = held, len(held)
+        rt.limit_context(n_ctx)
         return rt
 
     def compatibility_key(self) -> dict:

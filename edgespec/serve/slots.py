@@ -255,8 +255,7 @@ class SlotScheduler(Submitter):
 
     def _release_idle_kv(self) -> str:
         """The memory guard's step, on the worker thread (between steps) or while nothing runs."""
-        pairs = self._idle_runtimes()
-        freed = sum(rt.seq_release(i) for rt, i in pairs)
+        freed = sum(rt.seq_release(i) for rt, i in self._idle_runtimes())
         return f"dropped the KV kept by idle slots ({freed / 2**20:.1f} MiB)"
 
     # -- the worker thread ----------------------------------------------------------------------------
