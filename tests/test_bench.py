@@ -91,6 +91,20 @@ def test_structured_bench_validity_accounting():
     assert check_output(extraction, {"content": '{"invoice_number": "INV'}, "length")["truncated"]
 
 
+
+def test_json_style_counts_the_fields_a_format_changed():
+    """bench/json_style.py compares a constrained answer with the model's free one leaf by leaf: the free
+    answer's object found inside a code fence, a changed value, a missing and an extra list item counted."""
+    from edgespec.bench.json_style import STYLES, changes, first_object
+
+    free = first_object('Sure:\n```json\n{\n  "city": "Munich",\n  "items": [1, 2],\n  "id": "INV-1"\n}\n```')
+    assert free == {"city": "Munich", "items": [1, 2], "id": "INV-1"}
+    assert first_object("no JSON here {") is None
+    assert changes(free, {"city": "Munich", "items": [1, 2], "id": "INV-1"}) == []
+    assert changes(free, {"city": "Keplerstrasse 12", "items": [1], "id": "InV-1"}) == [".city", ".id", ".items[1]"]
+    assert changes(free, {**free, "items": [1, 2, 3]}) == [".items[2]"]
+    assert STYLES["spaced"]["key_separator"] == ": " and STYLES["compact"]["item_separator"] == ","
+
 def test_structured_bench_smoke_counts_every_output(tmp_path, smollm2_path):
     """The structured bench's smoke mode on SmolLM2 (edgespec's three systems, one request per workload,
     48 tokens): every output is counted once, as valid, invalid or truncated, and every constrained

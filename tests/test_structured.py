@@ -429,6 +429,9 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
                    "required": ["city"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
+# Where parallel calls are open, the 135M model asked as ASK lists get_time calls until max_tokens; asked
+# plainly it makes the two calls and stops, which shows two calls in one answer.
+ASK_BOTH = [{"role": "user", "content": "Call get_weather for Paris and get_time for Tokyo."}]
 
 
 @pytest.fixture(scope="module")
@@ -475,10 +478,11 @@ def check_calls(message, names):
 
 
 def test_required_named_and_single_tool_calls(tool_client):
-    r = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                            temperature=0, max_tokens=120)
+    r = tool_client.chat.completions.create(model="smol", messages=ASK_BOTH, tools=[WEATHER, TIME],
+                                            tool_choice="required", temperature=0, max_tokens=120)
     assert r.choices[0].finish_reason == "tool_calls"
     check_calls(r.choices[0].message, {"get_weather", "get_time"})
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather", "get_time"]
     r = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], temperature=0,
                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
                                             max_tokens=80)
@@ -496,7 +500,7 @@ def test_required_named_and_single_tool_calls(tool_client):
 
 
 def test_streamed_tool_calls(tool_client):
-    stream = tool_client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], temperature=0,
+    stream = tool_client.chat.completions.create(model="smol", messages=ASK_BOTH, tools=[WEATHER, TIME], temperature=0,
                                                  tool_choice="required", max_tokens=120, stream=True)
     calls, finish = {}, None
     for chunk in stream:
@@ -506,7 +510,7 @@ def test_streamed_tool_calls(tool_client):
             entry["name"] += delta.function.name or ""
             entry["arguments"] += delta.function.arguments or ""
         finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and calls
+    assert finish == "tool_calls" and sorted(calls) == [0, 1]
     for entry in calls.values():
         assert entry["name"] in ("get_weather", "get_time") and isinstance(json.loads(entry["arguments"]), dict)
 
@@ -544,7 +548,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 
 def test_tools_or_the_response_format_is_one_grammar(tiny_engine):
     """tool_choice auto with a response_format: a call, or an answer in the format, and nothing else
-    (compact JSON either way); a forced call leaves no room for the format."""
+    (JSON on one line, spaced as json.dumps writes it, either way); a forced call leaves no room for the format."""
     from edgespec.tools import parse_tools, tool_constraint
 
     rt, tools = tiny_engine.target, parse_tools([WEATHER, TIME])
@@ -556,14 +560,15 @@ def test_tools_or_the_response_format_is_one_grammar(tiny_engine):
         return taken == len(tokens) and (not complete or grammar.consume(tokens) == len(tokens)
                                          and grammar.matcher.is_accepting())
 
-    call = '{"tool_calls":[{"name":"get_time","arguments":{"city":"Oslo"}}]}'
-    answer = '{"city":"Paris","population":2100000}'
+    call = '{"tool_calls": [{"name": "get_time", "arguments": {"city": "Oslo"}}]}'
+    answer = '{"city": "Paris", "population": 2100000}'
     either = tool_constraint(tools, "auto", parallel=True, answer=CITY)
     assert allows(either, call) and allows(either, answer)
     assert not allows(either, '{"city":"Paris"}') and not allows(either, "Paris is large.", complete=False)
-    assert not allows(either, '{ "city":"Paris","population":1}', complete=False)  # compact, as json_schema
+    assert not allows(either, '{ "city": "Paris", "population": 1}', complete=False)  # no free whitespace
+    assert not allows(either, '{"city":"Paris","population":1}', complete=False)  # the separators json.dumps writes
     anything = tool_constraint(tools, "auto", parallel=True, answer={"type": "object"})
-    assert allows(anything, '{"x":[1,2]}') and allows(anything, call)
+    assert allows(anything, '{"x": [1, 2]}') and allows(anything, call)
     forced = tool_constraint(tools, "required", parallel=True, answer=CITY)
     assert allows(forced, call) and not allows(forced, answer)
 
