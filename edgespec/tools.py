@@ -1,17 +1,25 @@
 """OpenAI tool calls on any model: tools checked, described to the model, its answer constrained by a
 grammar (edgespec.structured) and read back as `tool_calls`.
 
-The answer format is one every model can follow, because the grammar holds it to it:
+A model whose chat template teaches Hermes-style calls (Qwen 2.5 / 3, Hermes: the template shows
+`<tool_call>`, and the vocabulary holds the tags as tokens) calls in the format it was trained on,
+the grammar holding it there:
+
+    <tool_call>
+    {"name": "<a tool's name>", "arguments": {<valid against its parameters>}}
+    </tool_call>
+
+one block per call, a newline between blocks. Any other model gets a format it can follow because
+the grammar holds it to it, described in a system note (templates that render `tools` in their own
+words, such as Llama 3.1's, describe the tools; the note gives the format):
 
     {"tool_calls": [{"name": "<a tool's name>", "arguments": {<valid against its parameters>}}, ...]}
 
-With tool_choice "required" or a named function the answer must be that object (one call unless
-parallel_tool_calls); with "auto" it is either that object or plain text not starting with "{", or,
-with a response_format, either that object or an answer in the response format (OpenAI's semantics:
-the model calls tools or answers in the format; one llguidance grammar holds the choice). A
-template that renders `tools` itself (Qwen, Hermes, Llama 3.1 ...) describes them in its own words;
-in auto mode such a model may answer in its trained format (`<tool_call>{...}</tool_call>`), which
-is read back too. A template that ignores `tools` gets a system note describing them and the format.
+With tool_choice "required" or a named function the answer must be calls (one unless
+parallel_tool_calls); with "auto" it is either calls or plain text (not starting with "{" in the
+object format), or, with a response_format, either calls or an answer in the response format
+(OpenAI's semantics: the model calls tools or answers in the format; one llguidance grammar holds
+the choice).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from edgespec.errors import EdgespecError
 from edgespec.structured import Constraint, ConstraintError, json_rule
@@ -81,30 +89,58 @@ def resolve_choice(tools: list[Tool], choice: Any) -> str | Tool | None:
                     "{'name': ...}}", "tool_choice")
 
 
-def calls_schema(tools: list[Tool], parallel: bool) -> dict:
+def call_schema(tools: list[Tool]) -> dict:
+    """One call: {"name": one of the tools, "arguments": valid against that tool's parameters}."""
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def calls_schema(tools: list[Tool], parallel: bool) -> dict:
+    array = {"type": "array", "items": call_schema(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
     return {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
             "additionalProperties": False}
 
 
-def tool_constraint(tools: list[Tool], choice: str | Tool, parallel: bool, answer: dict | None = None) -> Constraint:
-    """What the answer must match under this tool_choice. `answer`: the JSON schema a response_format
-    asks for (json_object: {"type": "object"}), which an answer that calls no tool must match; a
-    forced call ("required", a named function) leaves no room for it."""
-    if isinstance(choice, Tool):
-        return Constraint.json_schema(calls_schema([choice], parallel=False))
-    schema = calls_schema(tools, parallel)
-    if choice == "required":
-        return Constraint.json_schema(schema)
-    # auto: the call object, or an answer: in the response format, else text whose first character is not "{"
-    answer_rule = json_rule(answer) if answer is not None else "/[^{](?s:.*)/"
-    return Constraint.lark(f"start: calls | answer\ncalls: {json_rule(schema)}\nanswer: {answer_rule}\n")
+def hermes_tags(template: str | None, tokenize: Callable[[str], list[int]]) -> tuple[int, int] | None:
+    """The token ids of `<tool_call>` and `</tool_call>` when the chat template teaches Hermes-style
+    calls and the vocabulary holds each tag as one token (a grammar names them by id); else None."""
+    if not template or "<tool_call>" not in template:
+        return None
+    tags = [tokenize(tag) for tag in ("<tool_call>", "</tool_call>")]
+    return (tags[0][0], tags[1][0]) if all(len(t) == 1 for t in tags) else None
 
 
-def tool_note(tools: list[Tool], choice: str | Tool) -> str:
-    """A system note for templates that do not render tools: what they are and how to call them."""
+def tool_constraint(tools: list[Tool], choice: str | Tool, parallel: bool, answer: dict | None = None,
+                    tags: tuple[int, int] | None = None) -> Constraint:
+    """What the answer must match under this tool_choice: calls in the model's Hermes format where `tags`
+    (hermes_tags) are given, else the {"tool_calls": [...]} object. `answer`: the JSON schema a
+    response_format asks for (json_object: {"type": "object"}), which an answer that calls no tool must
+    match; a forced call ("required", a named function) leaves no room for it."""
+    callable_tools, parallel = ([choice], False) if isinstance(choice, Tool) else (tools, parallel)
+    if tags is None:
+        schema = calls_schema(callable_tools, parallel)
+        if choice != "auto":
+            return Constraint.json_schema(schema)
+        rules = f"calls: {json_rule(schema)}\n"
+        text = "/[^{](?s:.*)/"  # plain text whose first character is not "{"
+    else:
+        open_tag, close_tag = (f"<[{t}]>" for t in tags)  # the special tokens, which plain text never holds
+        call = f'{open_tag} "\\n" {json_rule(call_schema(callable_tools))} "\\n" {close_tag}'
+        more = ' ("\\n" call)*' if parallel else ""  # one block per call, a newline between blocks
+        rules = f"calls: call{more}\ncall: {call}\n"
+        text = "/(?s:.+)/"
+    if choice != "auto":
+        return Constraint.lark(f"start: calls\n{rules}")
+    answer_rule = json_rule(answer) if answer is not None else text
+    return Constraint.lark(f"start: calls | answer\n{rules}answer: {answer_rule}\n")
+
+
+def tool_note(tools: list[Tool], choice: str | Tool, native: bool = False) -> str:
+    """A system note: for templates that do not render tools, what they are and how to call them; for
+    those that teach their own format (`native`), only what tool_choice asks."""
+    if native:
+        return f"Call {choice.name} now." if isinstance(choice, Tool) else "Call one or more of the tools now."
     listing = json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools])
     call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
     if isinstance(choice, Tool):

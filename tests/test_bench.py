@@ -91,7 +91,6 @@ def test_structured_bench_validity_accounting():
     assert check_output(extraction, {"content": '{"invoice_number": "INV'}, "length")["truncated"]
 
 
-
 def test_json_style_counts_the_fields_a_format_changed():
     """bench/json_style.py compares a constrained answer with the model's free one leaf by leaf: the free
     answer's object found inside a code fence, a changed value, a missing and an extra list item counted."""
@@ -104,6 +103,7 @@ def test_json_style_counts_the_fields_a_format_changed():
     assert changes(free, {"city": "Keplerstrasse 12", "items": [1], "id": "InV-1"}) == [".city", ".id", ".items[1]"]
     assert changes(free, {**free, "items": [1, 2, 3]}) == [".items[2]"]
     assert STYLES["spaced"]["key_separator"] == ": " and STYLES["compact"]["item_separator"] == ","
+
 
 def test_structured_bench_smoke_counts_every_output(tmp_path, smollm2_path):
     """The structured bench's smoke mode on SmolLM2 (edgespec's three systems, one request per workload,

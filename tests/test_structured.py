@@ -573,6 +573,87 @@ def test_tools_or_the_response_format_is_one_grammar(tiny_engine):
     assert allows(forced, call) and not allows(forced, answer)
 
 
+def test_hermes_models_call_in_their_own_format():
+    """A template that teaches `<tool_call>` blocks (Qwen2.5) gets them, the tags as its special tokens:
+    one block per call, a newline between blocks, JSON valid for the named tool inside; plain text in
+    auto mode (never the tags, which text cannot hold), or an answer in the response format. A
+    template without the tags keeps the {"tool_calls": [...]} object."""
+    from edgespec.models import store
+    from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
+    from edgespec.tools import hermes_tags, parse_tool_calls, parse_tools, tool_constraint
+
+    tools = parse_tools([WEATHER, TIME])
+    with LlamaCppRuntime(store.resolve("qwen2.5-coder-0.5b"), LlamaCppOptions(n_ctx=256)) as rt:
+        tags = hermes_tags(rt.chat_template(), lambda text: rt.tokenize(text, add_special=False, parse_special=True))
+        assert tags is not None and [rt.token_text(t) for t in tags] == ["<tool_call>", "</tool_call>"]
+
+        def allows(constraint, text, complete=True):
+            grammar = Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog,
+                              position=0)
+            tokens = np.asarray(rt.tokenize(text, add_special=False, parse_special=True), dtype=np.int32)
+            return grammar.valid_prefix(tokens) == len(tokens) and (
+                not complete or grammar.consume(tokens) == len(tokens) and grammar.matcher.is_accepting())
+
+        time_call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        weather_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+        both = f"{time_call}\n{weather_call}"
+        required = tool_constraint(tools, "required", parallel=True, tags=tags)
+        assert allows(required, time_call) and allows(required, both)
+        assert not allows(required, "It is sunny.", complete=False)
+        assert not allows(required, '{"tool_calls": [{"name": "get_time"', complete=False)
+        assert not allows(required, time_call.replace('"city"', '"town"'), complete=False)
+        assert allows(tool_constraint(tools, "required", parallel=False, tags=tags), time_call)
+        assert not allows(tool_constraint(tools, "required", parallel=False, tags=tags), both)
+        named = tool_constraint(tools, parse_tools([WEATHER])[0], parallel=True, tags=tags)
+        assert allows(named, weather_call) and not allows(named, time_call, complete=False)
+        auto = tool_constraint(tools, "auto", parallel=True, tags=tags)
+        assert allows(auto, both) and allows(auto, "It is sunny in Oslo.")
+        assert not allows(auto, "Let me check: " + time_call, complete=False)  # a call is the whole answer
+        in_format = tool_constraint(tools, "auto", parallel=True, answer=CITY, tags=tags)
+        assert allows(in_format, time_call) and allows(in_format, '{"city": "Paris", "population": 2100000}')
+        assert not allows(in_format, "Paris.", complete=False)
+        calls = parse_tool_calls(both, tools)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+    assert hermes_tags("{{ messages }}", lambda text: [1]) is None  # a template that does not teach the tags
+    assert hermes_tags("<tool_call>{{ tools }}", lambda text: [1, 2]) is None  # the tags are not single tokens
+
+
+@pytest.fixture(scope="module")
+def qwen_tool_client(tmp_path_factory):
+    import openai
+
+    from edgespec.models import store
+    from test_server import running_server
+
+    log = tmp_path_factory.mktemp("serve-qwen-tools") / "server.log"
+    with running_server(log, "--target", store.resolve("qwen2.5-coder-0.5b"), "--model-name", "qwen", "--mode", "ar",
+                        "--ctx", 2048) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_a_hermes_model_calls_tools_through_the_openai_client(qwen_tool_client):
+    """Qwen2.5 through `serve`: required and a named tool come back as OpenAI tool_calls, plain and
+    streamed, from the model's own <tool_call> blocks. (In auto mode this coder model answers with a
+    ```json block of text rather than a call; the grammar test above covers auto.)"""
+    r = qwen_tool_client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME],
+                                                 tool_choice="required", temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message, {"get_weather", "get_time"})
+    r = qwen_tool_client.chat.completions.create(
+        model="qwen", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    check_calls(r.choices[0].message, {"get_time"})
+    stream = qwen_tool_client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME],
+                                                      tool_choice="required", temperature=0, max_tokens=120,
+                                                      stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(not c.choices[0].delta.content for c in chunks)  # the tags never leak as text
+    assert any(c.choices[0].delta.tool_calls for c in chunks)
+
+
 def test_response_format_with_tools_through_the_openai_client(tool_client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
     asks = [ASK, [{"role": "user", "content": "The largest city of France and its population, as JSON."}]]

@@ -46,8 +46,8 @@ from edgespec.serve.prefix_cache import PrefixCache
 from edgespec.runtimes.base import GrammarVocabulary, SavedState
 from edgespec.serve.slots import ParallelEngine, SlotScheduler, StepFailedError
 from edgespec.structured import Constraint, ConstraintError, Grammar
-from edgespec.tools import (Tool, ToolError, history_message, parse_tool_calls, parse_tools, resolve_choice,
-                            template_renders_tools, tool_constraint, tool_note)
+from edgespec.tools import (Tool, ToolError, hermes_tags, history_message, parse_tool_calls, parse_tools,
+                            resolve_choice, template_renders_tools, tool_constraint, tool_note)
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,10 @@ class _Service:
                                      reuse_prefix=config.reuse_prefix)
         t, d = engine.target, engine.draft_runtime
         self.fingerprint = f"edgespec-{t.name}-{t.path.name}" + (f"+{d.path.name}" if d else "")
+        # Tool calls in the model's own Hermes format where its template renders tools and teaches it.
+        self.renders_tools = template_renders_tools(t.chat_template())
+        self.call_tags = hermes_tags(t.chat_template(), lambda text: t.tokenize(
+            text, add_special=False, parse_special=True)) if self.renders_tools else None
 
     # -- requests to generations ------------------------------------------------------------------
 
@@ -343,7 +347,7 @@ class _Service:
         if choice is None:
             return constraint, tools, None
         try:  # the model calls tools (as tool_choice says) or answers in the response format
-            constraint = tool_constraint(tools, choice, req.parallel_tool_calls, answer)
+            constraint = tool_constraint(tools, choice, req.parallel_tool_calls, answer, tags=self.call_tags)
             self.check_satisfiable(constraint)
         except ConstraintError as exc:
             raise ApiError(400, str(exc), param="tools") from None
@@ -375,7 +379,7 @@ class _Service:
     def chat_prompt(self, req: ChatRequest, tools: list[Tool] = (), choice: "str | Tool | None" = None) -> list[int]:
         """The messages through the model's chat template, with the tools (OpenAI's dicts) when a call may
         be made; a template that ignores tools gets a system note describing them."""
-        renders_tools = template_renders_tools(self.engine.target.chat_template())
+        renders_tools = self.renders_tools
         messages = []
         for m in req.messages:
             if isinstance(m.content, list):
@@ -389,7 +393,7 @@ class _Service:
                                               ("name", m.name)) if v is not None})
             messages.append(history_message(message, renders_tools))
         if choice is not None and (not renders_tools or choice != "auto"):
-            note = tool_note(tools, choice)
+            note = tool_note(tools, choice, native=self.call_tags is not None)
             if messages[0]["role"] == "system":
                 messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}
             else:
