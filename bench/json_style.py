@@ -179,9 +179,10 @@ def main(argv=None) -> int:
     models = [run_model(n, args) for n in names]
     doc = {"command": "python -m edgespec.bench.json_style " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine(), "seconds": time.perf_counter() - start, "models": models}
+    report = render(doc)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    args.out.write_text(render(doc))
-    print(render(doc))
+    args.out.write_text(report)
+    print(report)
     return 0
 
 

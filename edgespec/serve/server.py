@@ -213,8 +213,9 @@ class _Service:
         t, d = engine.target, engine.draft_runtime
         self.fingerprint = f"edgespec-{t.name}-{t.path.name}" + (f"+{d.path.name}" if d else "")
         # Tool calls in the model's own Hermes format where its template renders tools and teaches it.
-        self.renders_tools = template_renders_tools(t.chat_template())
-        self.call_tags = hermes_tags(t.chat_template(), lambda text: t.tokenize(
+        template = t.chat_template()
+        self.renders_tools = template_renders_tools(template)
+        self.call_tags = hermes_tags(template, lambda text: t.tokenize(
             text, add_special=False, parse_special=True)) if self.renders_tools else None
 
     # -- requests to generations ------------------------------------------------------------------
