@@ -136,17 +136,19 @@ def tool_constraint(tools: list[Tool], choice: str | Tool, parallel: bool, answe
     return Constraint.lark(f"start: calls | answer\n{rules}answer: {answer_rule}\n")
 
 
-def tool_note(tools: list[Tool], choice: str | Tool, native: bool = False) -> str:
+def tool_note(tools: list[Tool], choice: str | Tool, parallel: bool = True, native: bool = False) -> str:
     """A system note: for templates that do not render tools, what they are and how to call them; for
-    those that teach their own format (`native`), only what tool_choice asks."""
+    those that teach their own format (`native`), only what tool_choice asks. It asks for as many calls
+    as the grammar admits (one without `parallel`)."""
+    how_many = "one or more" if parallel else "one"
     if native:
-        return f"Call {choice.name} now." if isinstance(choice, Tool) else "Call one or more of the tools now."
+        return f"Call {choice.name} now." if isinstance(choice, Tool) else f"Call {how_many} of the tools now."
     listing = json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools])
     call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
     if isinstance(choice, Tool):
         return f"You have this tool: {listing}. Call {choice.name} now, answering only with {call}."
     if choice == "required":
-        return f"You have these tools: {listing}. Call one or more now, answering only with {call}."
+        return f"You have these tools: {listing}. Call {how_many} now, answering only with {call}."
     return (f"You have these tools: {listing}. To call tools, answer only with {call}; "
             "otherwise answer the user in plain text.")
 

@@ -615,6 +615,11 @@ def test_hermes_models_call_in_their_own_format():
         calls = parse_tool_calls(both, tools)
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
             ("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+    from edgespec.tools import tool_note
+    # the note asks for as many calls as the grammar admits
+    assert tool_note(tools, "required", parallel=False, native=True) == "Call one of the tools now."
+    assert tool_note(tools, "required", parallel=True, native=True) == "Call one or more of the tools now."
+    assert "Call one now" in tool_note(tools, "required", parallel=False)
     assert hermes_tags("{{ messages }}", lambda text: [1]) is None  # a template that does not teach the tags
     assert hermes_tags("<tool_call>{{ tools }}", lambda text: [1, 2]) is None  # the tags are not single tokens
 

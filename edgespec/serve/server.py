@@ -394,7 +394,7 @@ class _Service:
                                               ("name", m.name)) if v is not None})
             messages.append(history_message(message, renders_tools))
         if choice is not None and (not renders_tools or choice != "auto"):
-            note = tool_note(tools, choice, native=self.call_tags is not None)
+            note = tool_note(tools, choice, req.parallel_tool_calls, native=self.call_tags is not None)
             if messages[0]["role"] == "system":
                 messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}
             else:
