@@ -91,6 +91,24 @@ def test_structured_bench_validity_accounting():
     assert check_output(extraction, {"content": '{"invoice_number": "INV'}, "length")["truncated"]
 
 
+def test_structured_bench_times_valid_answers_only():
+    """The time-to-a-valid-answer ratio compares wall times only where both systems answered validly,
+    as a speedup of edgespec over llama-server's setting with the most valid answers."""
+    from edgespec.bench.structured_bench import AUTO, CPP, TIME_RATIO, Run, summarize_model
+
+    def run(system, request, wall, valid, repeat=0):
+        return Run(model="m", system=system, kind="extraction", request=request, repeat=repeat, tok_s=10.0,
+                   wall_s=wall, valid=valid)
+
+    runs = [run(AUTO, "a", 10.0, True), run(AUTO, "a", 12.0, True, 1), run(CPP, "a", 30.0, True),
+            run(CPP, "a", 99.0, False, 1),  # an invalid answer's time never counts
+            run(AUTO, "b", 5.0, True), run(CPP, "b", 1.0, False),  # llama-server never valid on b: not compared
+            run(CPP + " draft n=4", "a", 5.0, False), run(CPP + " draft n=4", "b", 5.0, False)]
+    time_ratio = summarize_model(runs)["ratios"][TIME_RATIO]["extraction"]
+    assert time_ratio["best"] == CPP  # the fastest setting never answered validly
+    assert time_ratio["requests"] == 1 and time_ratio["ratio"] == pytest.approx(30.0 / 11.0)
+
+
 def test_json_style_counts_the_fields_a_format_changed():
     """bench/json_style.py compares a constrained answer with the model's free one leaf by leaf: the free
     answer's object found inside a code fence, a changed value, a missing and an extra list item counted."""
