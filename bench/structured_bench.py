@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -579,7 +580,7 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         runs += run_model(name, requests, args, record)
     summary = {name: summarize_model([r for r in runs if r.model == name]) for name in args.models.split(",")}
-    doc = {"command": "python -m edgespec.bench.structured_bench " + " ".join(argv), "machine": machine,
+    doc = {"command": "python -m edgespec.bench.structured_bench " + shlex.join(argv), "machine": machine,
            "threads": args.threads, "method": METHOD, "seconds": time.time() - t0,
            "load_average_end": [round(x, 2) for x in os.getloadavg()], "summary": summary}
     doc["goals"] = goals(summary)
