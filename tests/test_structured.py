@@ -580,7 +580,7 @@ def test_hermes_models_call_in_their_own_format():
     template without the tags keeps the {"tool_calls": [...]} object."""
     from edgespec.models import store
     from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
-    from edgespec.tools import hermes_tags, parse_tool_calls, parse_tools, tool_constraint
+    from edgespec.tools import hermes_tags, parse_tool_calls, parse_tools, tool_constraint, tool_note
 
     tools = parse_tools([WEATHER, TIME])
     with LlamaCppRuntime(store.resolve("qwen2.5-coder-0.5b"), LlamaCppOptions(n_ctx=256)) as rt:
@@ -615,7 +615,6 @@ def test_hermes_models_call_in_their_own_format():
         calls = parse_tool_calls(both, tools)
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
             ("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
-    from edgespec.tools import tool_note
     # the note asks for as many calls as the grammar admits
     assert tool_note(tools, "required", parallel=False, native=True) == "Call one of the tools now."
     assert tool_note(tools, "required", parallel=True, native=True) == "Call one or more of the tools now."
