@@ -111,7 +111,7 @@ class Request:
             return {**body, "tools": self.tools, "tool_choice": "required", "parallel_tool_calls": False}
         from edgespec.tools import parse_tools, tool_note
 
-        note = tool_note(parse_tools(self.tools), "required")
+        note = tool_note(parse_tools(self.tools), "required", parallel=False)  # as the constrained request asks
         return {**body, "messages": [{"role": "system", "content": note}, *self.messages]}
 
 
