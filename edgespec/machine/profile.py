@@ -23,9 +23,10 @@ import numpy as np
 from edgespec import atomic
 from edgespec.runtimes.base import ModelIdentity, Runtime
 
-PROFILE_VERSION = 7  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
+PROFILE_VERSION = 8  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
                      # 5: a recurrent model's rollback (rollback_s); 6: target and draft costs cached apart;
-                     # 7: every coarse size timed `repeats` times, bent curves re-timed (6's could be one run)
+                     # 7: every coarse size timed `repeats` times, bent curves re-timed (6's could be one run);
+                     # 8: the rollback timed as the cut alone (7's could read 0 on a tiny model)
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
 
@@ -150,7 +151,7 @@ def measure_target_costs(target: Runtime, *, max_batch: int = 17, repeats: int =
             times[n].append(_best_time(steps[n], 1))
     verify_s = {n: min(ts) for n, ts in times.items()}
 
-    rollback_s = _rollback_cost(target, verify_s, rng, n_vocab, repeats) if getattr(target, "recurrent", False) else 0.0
+    rollback_s = _rollback_cost(target, rng, n_vocab, repeats) if getattr(target, "recurrent", False) else 0.0
     mtp_s = _mtp_step_s(target, context, repeats)
     target.truncate(0)
 
@@ -201,19 +202,24 @@ def measure_draft_costs(draft: Runtime, *, repeats: int = 3) -> dict:
 ROLLBACK_PASS = 5  # a verify pass of k = 4 of which one draft is kept: the rollback keeps 2 of its 5 tokens
 
 
-def _rollback_cost(target: Runtime, verify_s: dict[int, float], rng, n_vocab: int, repeats: int) -> float:
-    """A recurrent model's rollback beyond the pass itself: the pass, then a cut inside it (a checkpoint
-    restored and the kept tokens replayed, or llama.cpp's own snapshots), less the pass alone."""
+def _rollback_cost(target: Runtime, rng, n_vocab: int, repeats: int) -> float:
+    """A recurrent model's rollback beyond what the verify curve holds. Each timed pass there ends in a
+    cut back to the pass's start (a checkpoint restored); a round that keeps some drafts also replays
+    them (or uses llama.cpp's own snapshots). Only the cuts are timed, the kept-two cut and the
+    back-to-start cut interleaved after the same pass, so a burst of other load lands on both: a
+    difference of two whole-pass timings (session 17) sank the ~0.2 ms replay of a tiny model into
+    the passes' noise and read 0."""
     batch = rng.integers(100, min(n_vocab, 30000), size=ROLLBACK_PASS).astype(np.int32)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms the replay's buffers
-        t = time.perf_counter()
-        target.decode(batch, ROLLBACK_PASS)
-        target.truncate(CONTEXT_TOKENS + 2)
-        best = min(best, time.perf_counter() - t)
-        target.truncate(CONTEXT_TOKENS)
-    pass_s = verify_s.get(ROLLBACK_PASS) or CostProfile(verify_s).verify(ROLLBACK_PASS)
-    return max(0.0, best - pass_s)
+    best = {0: float("inf"), 2: float("inf")}
+    for rep in range(2 * (repeats + 1)):  # the first two runs warm the replay's buffers
+        for kept in (0, 2) if rep % 2 else (2, 0):
+            target.decode(batch, ROLLBACK_PASS)
+            t = time.perf_counter()
+            target.truncate(CONTEXT_TOKENS + kept)
+            if rep > 1:
+                best[kept] = min(best[kept], time.perf_counter() - t)
+            target.truncate(CONTEXT_TOKENS)
+    return max(0.0, best[2] - best[0])
 
 
 def _mtp_step_s(target: Runtime, context: np.ndarray, repeats: int) -> float | None:
