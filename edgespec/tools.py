@@ -102,13 +102,18 @@ def calls_schema(tools: list[Tool], parallel: bool) -> dict:
             "additionalProperties": False}
 
 
-def hermes_tags(template: str | None, tokenize: Callable[[str], list[int]]) -> tuple[int, int] | None:
+def hermes_tags(template: str | None, tokenize: Callable[[str], list[int]],
+                render: Callable[[int], bytes]) -> tuple[int, int] | None:
     """The token ids of `<tool_call>` and `</tool_call>` when the chat template teaches Hermes-style
-    calls and the vocabulary holds each tag as one token (a grammar names them by id); else None."""
+    calls and the vocabulary holds each tag as one token (a grammar names them by id) that renders as
+    its own text (a control token renders as nothing, so the calls could not be read back); else None."""
     if not template or "<tool_call>" not in template:
         return None
-    tags = [tokenize(tag) for tag in ("<tool_call>", "</tool_call>")]
-    return (tags[0][0], tags[1][0]) if all(len(t) == 1 for t in tags) else None
+    names = ("<tool_call>", "</tool_call>")
+    tags = [tokenize(tag) for tag in names]
+    if not all(len(t) == 1 and render(t[0]) == name.encode() for t, name in zip(tags, names)):
+        return None
+    return tags[0][0], tags[1][0]
 
 
 def tool_constraint(tools: list[Tool], choice: str | Tool, parallel: bool, answer: dict | None = None,

@@ -36,8 +36,11 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 EXPECTED_PRE = {"gpt2": "gpt-2", "smollm": "smollm", "qwen2": "qwen2", "llama3": "llama-bpe"}
 
 
-def train_tokenizer(kind: str = "gpt2", vocab_size: int = 400):
-    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on the repository's export corpus."""
+def train_tokenizer(kind: str = "gpt2", vocab_size: int = 400, added: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on the repository's export corpus;
+    `added`: tokens added after training that are not special, so they render as text (as Qwen2.5
+    adds its `<tool_call>` tags)."""
+    from tokenizers import AddedToken
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -61,6 +64,7 @@ def train_tokenizer(kind: str = "gpt2", vocab_size: int = 400):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(CORPUS)], trainer)
+    tok.add_tokens([AddedToken(text, special=False, normalized=False) for text in added])
     if kind == "llama3":
         bos = tok.token_to_id("<|begin_of_text|>")
         tok.post_processor = processors.TemplateProcessing(
@@ -75,7 +79,8 @@ def write_tiny_checkpoint(directory: str | os.PathLike, *, family: str = "llama"
                           seed: int = 0, vocab_size: int = 400, pad_vocab: int = 0, n_layer: int = 2,
                           hidden: int = 64, n_head: int = 4, n_head_kv: int = 2, ff: int = 128,
                           tie: bool = False, rope_scaling: dict | None = None, init_range: float = 0.1,
-                          max_positions: int = 512, perturb_from=None, perturb_scale: float = 0.0) -> Path:
+                          max_positions: int = 512, perturb_from=None, perturb_scale: float = 0.0,
+                          added: tuple[str, ...] = (), chat_template: str = CHATML) -> Path:
     """Save a tiny random LlamaForCausalLM / Qwen2ForCausalLM with a trained tokenizer to `directory`.
 
     `pad_vocab` extra embedding rows past the tokenizer (as Qwen2.5 has). `perturb_from=(model dir)`
@@ -85,7 +90,7 @@ def write_tiny_checkpoint(directory: str | os.PathLike, *, family: str = "llama"
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     directory = Path(directory)
-    tok = train_tokenizer(tokenizer, vocab_size)
+    tok = train_tokenizer(tokenizer, vocab_size, added)
     n_tok = tok.get_vocab_size()
     ids = {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>")}
     bos_name = "<|begin_of_text|>" if tokenizer == "llama3" else "<|endoftext|>"
@@ -121,7 +126,7 @@ def write_tiny_checkpoint(directory: str | os.PathLike, *, family: str = "llama"
     model.save_pretrained(directory, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos_name, eos_token=eos_name,
                                    pad_token="<|endoftext|>", unk_token=None)
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
     fast.save_pretrained(directory)
     cfg_path = directory / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -584,7 +584,8 @@ def test_hermes_models_call_in_their_own_format():
 
     tools = parse_tools([WEATHER, TIME])
     with LlamaCppRuntime(store.resolve("qwen2.5-coder-0.5b"), LlamaCppOptions(n_ctx=256)) as rt:
-        tags = hermes_tags(rt.chat_template(), lambda text: rt.tokenize(text, add_special=False, parse_special=True))
+        tags = hermes_tags(rt.chat_template(), lambda text: rt.tokenize(text, add_special=False, parse_special=True),
+                           rt.token_bytes)
         assert tags is not None and [rt.token_text(t) for t in tags] == ["<tool_call>", "</tool_call>"]
 
         def allows(constraint, text, complete=True):
@@ -619,8 +620,12 @@ def test_hermes_models_call_in_their_own_format():
     assert tool_note(tools, "required", parallel=False, native=True) == "Call one of the tools now."
     assert tool_note(tools, "required", parallel=True, native=True) == "Call one or more of the tools now."
     assert "Call one now" in tool_note(tools, "required", parallel=False)
-    assert hermes_tags("{{ messages }}", lambda text: [1]) is None  # a template that does not teach the tags
-    assert hermes_tags("<tool_call>{{ tools }}", lambda text: [1, 2]) is None  # the tags are not single tokens
+    rendered = {1: b"<tool_call>", 2: b"</tool_call>"}.get
+    one_each = {"<tool_call>": [1], "</tool_call>": [2]}.get
+    assert hermes_tags("<tool_call>{{ tools }}", one_each, rendered) == (1, 2)
+    assert hermes_tags("{{ messages }}", one_each, rendered) is None  # a template that does not teach the tags
+    assert hermes_tags("<tool_call>{{ tools }}", lambda text: [1, 2], rendered) is None  # not single tokens
+    assert hermes_tags("<tool_call>{{ tools }}", one_each, lambda t: b"") is None  # control tokens: no text
 
 
 @pytest.fixture(scope="module")
@@ -656,6 +661,66 @@ def test_a_hermes_model_calls_tools_through_the_openai_client(qwen_tool_client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(not c.choices[0].delta.content for c in chunks)  # the tags never leak as text
     assert any(c.choices[0].delta.tool_calls for c in chunks)
+
+
+# A ChatML template that renders tools and teaches Hermes-style calls, as Qwen2.5's does (in our words).
+HERMES_CHATML = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Write each call as <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call>"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_tiny(tmp_path_factory) -> dict[str, object]:
+    """A tiny random Qwen2 checkpoint whose vocabulary holds `<tool_call>` and `</tool_call>` as added
+    tokens that render as text (as Qwen2.5's does) and whose template teaches them, as a Hugging Face directory (MLX) and an fp32 ONNX export."""
+    from edgespec.exporters.onnx_export import export_onnx
+    from hf_models import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hermes-tiny")
+    hf = write_tiny_checkpoint(root / "hf", family="qwen2", tokenizer="qwen2", pad_vocab=13, seed=3, max_positions=2048,
+                               added=("<tool_call>", "</tool_call>"), chat_template=HERMES_CHATML)
+    return {"mlx": hf, "onnx": export_onnx(hf, root / "onnx", ["fp32"]).directory}
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "mlx"])
+def test_hermes_tool_calls_on_onnx_and_mlx(hermes_tiny, runtime, tmp_path):
+    """The Hermes path off llama.cpp: the tags found through the Hugging Face tokenizer the ONNX and MLX
+    runtimes share, the grammar naming them by id, the blocks read back as OpenAI tool_calls, plain and
+    streamed. The weights are random, so only the grammar makes these answers calls; the strings'
+    maxLength bounds them."""
+    pytest.importorskip("onnxruntime" if runtime == "onnx" else "mlx_lm")
+    import openai
+
+    from edgespec.tools import hermes_tags
+    from test_server import running_server
+
+    if runtime == "onnx":
+        from test_onnx_runtime import onnx_runtime as open_runtime
+    else:
+        from test_mlx_runtime import mlx_runtime as open_runtime
+    with open_runtime(hermes_tiny[runtime]) as rt:
+        tags = hermes_tags(rt.chat_template(), lambda text: rt.tokenize(text, add_special=False, parse_special=True),
+                           rt.token_bytes)
+        assert tags is not None and [rt.token_text(t) for t in tags] == ["<tool_call>", "</tool_call>"]
+    with running_server(tmp_path / "server.log", "--target", hermes_tiny[runtime], "--runtime", runtime,
+                        "--model-name", "tiny", "--ctx", 2048) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=200)
+        r = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+        check_calls(r.choices[0].message, {"get_weather", "get_time"})
+        r = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+        check_calls(r.choices[0].message, {"get_time"})
+        chunks = list(client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False,
+                                                     stream=True))
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert all(not c.choices[0].delta.content for c in chunks)  # the tags never leak as text
+        assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks) >= 1
 
 
 def test_response_format_with_tools_through_the_openai_client(tool_client):

@@ -215,8 +215,8 @@ class _Service:
         # Tool calls in the model's own Hermes format where its template renders tools and teaches it.
         template = t.chat_template()
         self.renders_tools = template_renders_tools(template)
-        self.call_tags = hermes_tags(template, lambda text: t.tokenize(
-            text, add_special=False, parse_special=True)) if self.renders_tools else None
+        self.call_tags = hermes_tags(template, lambda text: t.tokenize(text, add_special=False, parse_special=True),
+                                     t.token_bytes) if self.renders_tools else None
 
     # -- requests to generations ------------------------------------------------------------------
 
