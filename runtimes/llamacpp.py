@@ -23,6 +23,7 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
+from edgespec.machine.memory import padded_ctx
 from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NextTokenHeads, NotOffered, SavedState,
                                     SelectedRows, SeveralSequences, Sizing,
                                      TokenSequence, TreeDecoding, VocabInfo)
@@ -466,39 +467,14 @@ class LlamaCppRuntime(TokenSequence):
         self._vocab_ptr = ll.llama_model_get_vocab(self._model)
         self.n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
 
-        n_threads = options.n_threads or _physical_cores()
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = options.n_ctx or self.n_ctx_train
-        cparams.n_batch = options.n_batch
-        cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
-        cparams.n_seq_max = options.n_seq_max
-        cparams.n_rs_seq = SNAPSHOT_WINDOW  # llama.cpp sets it to 0 for architectures without the snapshots
-        cparams.kv_unified = options.kv_unified  # tree branches share one pool; LlamaCppMultiSeqRuntime: a stream each
-        cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
-        cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = options.n_threads_batch or n_threads
-        cparams.type_k = KV_TYPES[options.type_k][0]
-        cparams.type_v = KV_TYPES[options.type_v][0]
-        cparams.offload_kqv = options.offload_kqv
-        cparams.no_perf = True
-        quantized_v = options.type_v not in ("f32", "f16", "bf16")
-        if options.flash_attn is None:
-            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized_v else ll.LLAMA_FLASH_ATTN_TYPE_AUTO
-        else:
-            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
-                                       else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
+        self.n_threads = options.n_threads or _physical_cores()
+        try:
+            self._open_context(options.n_ctx or self.n_ctx_train)
+        except EdgespecError:
             self.close()
-            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
-            raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {self.path}"
-                                f"{detail}; try a smaller --ctx or f16 KV types")
-        self._mem = ll.llama_get_memory(self._ctx)
-        self.buffers = parse_buffer_sizes(_Log.buffers)  # what llama.cpp allocated, by buffer
-        self.n_ctx = int(ll.llama_n_ctx(self._ctx))
+            raise
+        self.n_ctx = self.pool_cells  # what the sequence may grow to; the pool may shrink below it later
         self.n_batch = int(ll.llama_n_batch(self._ctx))
-        self.n_threads = n_threads
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab_ptr))
         self.vocab = self._read_vocab()
         self._grammar_tokenizer = None
@@ -526,6 +502,84 @@ class LlamaCppRuntime(TokenSequence):
     @property
     def sizing(self) -> Sizing:
         return _sizing(self.n_batch, self.n_threads, self.options)
+
+    def _open_context(self, n_cells: int) -> None:
+        """The llama.cpp context, its KV pool of n_cells (llama.cpp pads to a multiple of 256)."""
+        options = self.options
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = n_cells
+        cparams.n_batch = options.n_batch
+        cparams.n_ubatch = min(options.n_batch, cparams.n_ubatch or options.n_batch)
+        cparams.n_seq_max = options.n_seq_max
+        cparams.n_rs_seq = SNAPSHOT_WINDOW  # llama.cpp sets it to 0 for architectures without the snapshots
+        cparams.kv_unified = options.kv_unified  # tree branches share one pool; LlamaCppMultiSeqRuntime: a stream each
+        cparams.n_outputs_max = min(options.n_outputs_max, options.n_batch)
+        cparams.n_outputs_max_per_seq = 0  # as many logits rows per sequence as the batch holds
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = options.n_threads_batch or self.n_threads
+        cparams.type_k = KV_TYPES[options.type_k][0]
+        cparams.type_v = KV_TYPES[options.type_v][0]
+        cparams.offload_kqv = options.offload_kqv
+        cparams.no_perf = True
+        quantized_v = options.type_v not in ("f32", "f16", "bf16")
+        if options.flash_attn is None:
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized_v else ll.LLAMA_FLASH_ATTN_TYPE_AUTO
+        else:
+            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
+                                       else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
+            raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {self.path}"
+                                f"{detail}; try a smaller --ctx or f16 KV types")
+        self._mem = ll.llama_get_memory(self._ctx)
+        # what llama.cpp allocated, by buffer (a re-created context logs its KV and compute buffers anew)
+        self.buffers = {**getattr(self, "buffers", {}), **parse_buffer_sizes(_Log.buffers)}
+        self.pool_cells = int(ll.llama_n_ctx(self._ctx))
+
+    # -- the KV pool's size: shrunk under memory pressure, grown back as the sequence needs ----------
+
+    @property
+    def pool_resizable(self) -> bool:
+        """Whether `resize_pool` may re-create the context: one attention sequence, nothing else holding
+        the context (an MTP head's context, other sequences) or state outside its cells (recurrent)."""
+        return type(self) is LlamaCppRuntime and not self.recurrent and bool(self._ctx)
+
+    def pool_bytes(self, n_cells: int | None = None) -> int:
+        """Bytes of a KV pool of n_cells (default: the pool now)."""
+        return int(self.kv_bytes_per_token() * (self.pool_cells if n_cells is None else padded_ctx(n_cells)))
+
+    def resize_pool(self, n_cells: int) -> None:
+        """Re-create the context with a KV pool of n_cells (at least the held tokens, at most n_ctx),
+        the held sequence carried over by llama.cpp's own saved state: the model, its weights and the
+        sequence stay; the old pool and compute buffers go back to the system. `_append` grows the
+        pool again as the sequence needs, so a shrink costs the requests nothing but this copy."""
+        n_cells = min(self.n_ctx, padded_ctx(max(n_cells, self._n_past + 1)))
+        if n_cells == self.pool_cells or not self.pool_resizable:
+            return
+        held, old_cells = self._n_past, self.pool_cells
+        blob, tokens = (self.save_state(), self._tokens[:held].copy()) if held else (None, None)
+        ll.llama_free(self._ctx)
+        self._ctx = None
+        _Log.buffers.clear()
+        try:
+            self._open_context(n_cells)
+        except EdgespecError as e:  # no memory for a larger pool: keep the one it had, and the sequence
+            self._open_context(old_cells)
+            failed = e
+        else:
+            failed = None
+        self._n_past = 0
+        if blob is not None:
+            self.load_state(blob, tokens)
+        if failed is not None:
+            raise EdgespecError(f"llama.cpp could not grow the KV pool from {old_cells} to {n_cells} cells "
+                                f"({failed}); the sequence is kept, retry when memory is free or lower --ctx")
+
+    def _room_for(self, n: int) -> None:
+        """Grow a shrunk pool (doubling, at most n_ctx) so that n more tokens fit."""
+        if self._n_past + n > self.pool_cells:
+            self.resize_pool(max(2 * self.pool_cells, self._n_past + n))
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -613,6 +667,7 @@ class LlamaCppRuntime(TokenSequence):
     def _append(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Evaluate ids after the held tokens (no checkpoint: `_decode` and a rollback's replay call it)."""
         n, n_logits = len(ids), len(rows)
+        self._room_for(n)
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
         out_row = np.full(n, -1, dtype=np.int64)  # each token's row in `out`; -1 = no logits
         out_row[rows] = np.arange(n_logits)
@@ -658,6 +713,7 @@ class LlamaCppRuntime(TokenSequence):
         if n > self.n_batch or self._n_past + n > self.n_ctx:
             raise ContextOverflowError(f"a tree of {n} nodes does not fit (batch {self.n_batch}, "
                                        f"{self.n_ctx - self._n_past} context cells left)")
+        self._room_for(n)
         seq = np.zeros(n, dtype=np.int64)  # the sequence each node opens or continues
         depth = np.zeros(n, dtype=np.int64)
         first_child_taken = set()
@@ -792,6 +848,7 @@ class LlamaCppRuntime(TokenSequence):
     def load_state(self, blob: bytes, tokens: Sequence[int]) -> None:
         """Restore KV saved by `save_state` for exactly these tokens."""
         self.truncate(0)
+        self._room_for(len(tokens))
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         if ll.llama_state_seq_set_data(self._ctx, buf, len(blob), 0) == 0:
             raise EdgespecError("llama.cpp refused the saved KV state (different model or build); "
@@ -833,7 +890,7 @@ class LlamaCppRuntime(TokenSequence):
             other["checkpoints"] = self._checkpoints.nbytes
         return MemoryReport(
             weights=int(ll.llama_model_size(self._model)),
-            kv_cache=int(self.kv_bytes_per_token() * self.n_ctx),
+            kv_cache=self.pool_bytes(),
             logits=self._max_logit_rows * self.n_vocab * 4,
             other=other,
         )

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import load_runtime
-from edgespec.machine.guard import (LADDER, DraftModelReleaser, MemoryBudgetError, MemoryGuard, PrefixCacheReleaser,
-                                    SuffixHistoryReleaser, trim_heap)
+from edgespec.machine.guard import (LADDER, DraftModelReleaser, KvPoolReleaser, MemoryBudgetError, MemoryGuard,
+                                    PrefixCacheReleaser, SuffixHistoryReleaser, trim_heap)
 from edgespec.machine.memory import current_rss
 
 MiB = 1 << 20
@@ -77,6 +77,52 @@ def test_each_step_gives_memory_back(smollm2_path, smollm2_draft, capsys):
         engine.close()
 
 
+def test_the_kv_pools_shrink_mid_generation_and_grow_back_with_the_output_unchanged(smollm2_path, smollm2_draft):
+    """A 16k-token context's pools are most of what a small pair holds. Under pressure the guard's kv_pool
+    step re-creates both contexts at the tokens they hold, mid-generation; the pools grow back as the
+    answer needs, and the answer is the one the same engine gives unshrunk, token for token (llama.cpp
+    attends over the used cells, whatever the pool's size). A saved state longer than a shrunk pool
+    loads back into it. --parallel's shared pool is not offered."""
+    from edgespec.engine import Engine, GenerationConfig
+
+    n_ctx = 16384
+    engine = Engine(load_runtime(smollm2_path, n_ctx=n_ctx, n_threads=1),
+                    load_runtime(smollm2_draft, n_ctx=n_ctx, n_threads=1))
+    try:
+        ids = engine.target.tokenize("Write a long story about a lighthouse keeper.", add_special=True)
+        never_end = tuple((t, -100.0) for t in engine.target.vocab.eog)  # an answer as long as asked
+        config = GenerationConfig(max_tokens=600, temperature=0, mode="draft", logit_bias=never_end)
+        reference = engine.generate_tokens(ids, config).tokens
+        blob, held = engine.target.save_state(), engine.target.tokens
+        engine.target.truncate(0)
+        trim_heap()
+        step = KvPoolReleaser(lambda: [engine.target, engine.draft_runtime])
+        estimate = step.frees()
+        assert estimate >= 0.8 * 2 * engine.target.pool_bytes()  # both pools, nearly all of them
+        guard = MemoryGuard(int((current_rss() - estimate / 2) / 0.97), releasers=[step])
+        engine.memory_guard = guard
+        result = engine.generate_tokens(ids, config)
+        (taken,) = guard.released
+        print(f"\n  kv_pool: estimate {estimate / MiB:.1f} MiB, resident {taken['rss_before'] / MiB:.0f} -> "
+              f"{taken['rss_after'] / MiB:.0f} MiB; pools after the answer {engine.target.pool_cells}, "
+              f"{engine.draft_runtime.pool_cells} cells; {guard.events[0]}")
+        assert taken["step"] == "kv_pool" and taken["rss_before"] - taken["rss_after"] >= 0.6 * estimate
+        assert result.tokens == reference  # zero tolerance: the same engine, its pools shrunk and grown
+        assert len(ids) + 600 <= engine.target.pool_cells < n_ctx  # grown back, doubling, as far as needed
+        engine.memory_guard = None
+        engine.target.truncate(0)
+        engine.target.resize_pool(0)
+        assert engine.target.pool_cells == 256
+        engine.target.load_state(blob, held)  # longer than the pool: it grows first
+        assert engine.target.pool_cells >= len(held) and np.array_equal(engine.target.tokens, held)
+    finally:
+        engine.close()
+    from edgespec.runtimes.llamacpp import LlamaCppMultiSeqRuntime, LlamaCppOptions
+
+    with LlamaCppMultiSeqRuntime(smollm2_path, LlamaCppOptions(n_ctx=4096, n_threads=1), n_seq=2) as shared:
+        assert not shared.pool_resizable and KvPoolReleaser(lambda: [shared]).frees() == 0
+
+
 def test_the_guard_climbs_the_ladder_until_memory_falls_under_the_soft_line():
     """Real pressure, real memory: the budget is set so that only shedding both holders gets under it."""
     from edgespec.drafters.suffix import SuffixHistory
@@ -110,7 +156,8 @@ def test_with_nothing_left_the_guard_stops_admitting_then_refuses():
 
 
 def test_the_ladder_is_one_table_in_order():
-    assert [s.name for s in LADDER] == ["saved_state", "suffix_history", "draft_model", "admission", "refuse"]
+    assert [s.name for s in LADDER] == ["saved_state", "suffix_history", "kv_pool", "draft_model", "admission",
+                                        "refuse"]
     guard = MemoryGuard(1 << 40)
     from edgespec.drafters.suffix import SuffixHistory
     from edgespec.serve.prefix_cache import PrefixCache

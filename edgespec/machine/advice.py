@@ -394,6 +394,7 @@ def guard_ladder() -> list[dict]:
     return ladder_rows(default_estimates(None), {
         "saved_state": "serve's prefix cache when full (--prefix-cache-mb)",
         "suffix_history": "a full history (--history-limit)",
+        "kv_pool": "the KV pools past 256 cells each (not --parallel's): see `edgespec plan --budget`",
         "draft_model": "its weights, KV and buffers: see `edgespec plan --budget`", "refuse": "the last step"})
 
 

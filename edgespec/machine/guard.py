@@ -10,11 +10,15 @@ one place that decides the order), one step at a time, measuring again after eac
 
 1. `saved_state`     shed the prefix cache's KV blobs (the verifier: idle sessions' KV and history)
 2. `suffix_history`  shrink the suffix history to a quarter, then drop it
-3. `draft_model`     unload the draft model (its weights, KV and buffers go back to the system);
+3. `kv_pool`         shrink llama.cpp's KV pools to the tokens they hold (the context re-created
+                     smaller, the sequence carried over); they grow back, doubling, as a generation
+                     needs, so nothing is refused for it (one sequence per context: not --parallel's
+                     shared pool, an MTP head's or a recurrent model's context)
+4. `draft_model`     unload the draft model (its weights, KV and buffers go back to the system);
                      auto then drafts model-free (prompt lookup, suffix)
-4. `admission`       stop admitting new requests (--parallel: HTTP 429 naming memory; the verifier:
+5. `admission`       stop admitting new requests (--parallel: HTTP 429 naming memory; the verifier:
                      no new sessions) until the resident set falls below the soft line again
-5. `refuse`          at `hard` x budget, with nothing left to free: MemoryBudgetError
+6. `refuse`          at `hard` x budget, with nothing left to free: MemoryBudgetError
 
 Each step is a `Releaser` the process offers for what it holds (a server without a prefix cache
 offers none); each says what it would free now (an estimate it computes from the objects themselves),
@@ -146,6 +150,7 @@ class Step:
 LADDER: tuple[Step, ...] = (
     Step("saved_state", "shed the prefix cache and saved states"),
     Step("suffix_history", "shrink, then drop, the suffix history"),
+    Step("kv_pool", "shrink the KV pools to the tokens held (they grow back as generation needs)"),
     Step("draft_model", "unload the draft model (auto drafts model-free: lookup, suffix)"),
     Step("admission", "stop admitting new requests (--parallel: HTTP 429)"),
     Step("refuse", "refuse work (MemoryBudgetError)"),
@@ -208,6 +213,35 @@ class SuffixHistoryReleaser(Releaser):
             return f"shrank the suffix history to {h.limit} tokens"
         h.shrink(1)  # holds nothing from now on: add() keeps no output of 1 token
         return "dropped the suffix history"
+
+
+KV_POOL_HEADROOM = 256  # cells a shrunk pool keeps past the held tokens (llama.cpp's own padding)
+
+
+class KvPoolReleaser(Releaser):
+    """Shrink the KV pool of each llama.cpp runtime `runtimes()` gives (an engine's target and draft) to
+    its held tokens plus KV_POOL_HEADROOM (`LlamaCppRuntime.resize_pool`: about 50 ms for Qwen2.5-Coder
+    -1.5B; a 32k-token pool gave back 928 MiB). The pools grow back as generation needs, so the step
+    may be taken again after they do."""
+
+    step = "kv_pool"
+
+    def __init__(self, runtimes: Callable[[], list]) -> None:
+        self.runtimes = runtimes
+
+    def _resizable(self) -> list:
+        return [rt for rt in self.runtimes() if rt is not None and getattr(rt, "pool_resizable", False)]
+
+    def frees(self) -> int:
+        return sum(max(0, rt.pool_bytes() - rt.pool_bytes(rt.n_past + KV_POOL_HEADROOM)) for rt in self._resizable())
+
+    def release(self) -> str:
+        sizes = []
+        for rt in self._resizable():
+            before = rt.pool_cells
+            rt.resize_pool(rt.n_past + KV_POOL_HEADROOM)
+            sizes.append(f"{before} -> {rt.pool_cells}")
+        return f"shrank the KV pools ({', '.join(sizes)} cells)"
 
 
 class DraftModelReleaser(Releaser):
@@ -282,9 +316,12 @@ def release_draft(engine) -> None:
 
 
 def offer_engine_steps(guard: "MemoryGuard", engine, planned_draft_bytes: int | None = None) -> None:
-    """Offer a guard what an engine (or a ParallelEngine) can give up: its suffix history, its draft model."""
+    """Offer a guard what an engine (or a ParallelEngine) can give up: its suffix history, its KV pools,
+    its draft model."""
     front = engine.engines[0] if hasattr(engine, "engines") else engine
     guard.offer(SuffixHistoryReleaser(lambda: front.history))
+    if getattr(engine.target, "pool_resizable", False):  # llama.cpp, one sequence (not --parallel's pool)
+        guard.offer(KvPoolReleaser(lambda: [engine.target, engine.draft_runtime]))
     if engine.draft_runtime is not None:
         guard.offer(DraftModelReleaser(engine, planned_draft_bytes))
 
@@ -349,14 +386,15 @@ def ladder_lines(rows: list[dict]) -> list[str]:
 
 
 def default_estimates(draft_bytes: int | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                      history_tokens: int | None = None) -> dict[str, int | None]:
+                      history_tokens: int | None = None, kv_pool_bytes: int | None = None) -> dict[str, int | None]:
     """What each step frees at most, from the settings: serve's prefix cache when full, a full suffix
-    history, the draft's resident bytes (the plan's), nothing for admission (it stops growth)."""
+    history, the KV pools past their headroom when empty (the plan's), the draft's resident bytes (the
+    plan's), nothing for admission (it stops growth)."""
     from edgespec.drafters.suffix import DEFAULT_HISTORY_TOKENS
 
     tokens = DEFAULT_HISTORY_TOKENS if history_tokens is None else history_tokens
     return {"saved_state": prefix_cache_bytes, "suffix_history": tokens * SUFFIX_TOKEN_BYTES,
-            "draft_model": draft_bytes, "admission": 0, "refuse": None}
+            "kv_pool": kv_pool_bytes, "draft_model": draft_bytes, "admission": 0, "refuse": None}
 
 
 # --- the guard ---------------------------------------------------------------------------------------
@@ -509,8 +547,9 @@ class MemoryGuard:
             self._event(f"memory budget reached ({self._where(rss, gpu)}): stopped")
             raise MemoryBudgetError(
                 f"the memory budget of {format_bytes(self.budget_bytes)} is about to be exceeded "
-                f"({self._where(rss, gpu)}) and there is nothing left to free (no prefix cache, suffix history "
-                "or draft left to give up); raise --budget, shorten the context (--ctx) or the conversation")
+                f"({self._where(rss, gpu)}) and there is nothing left to free (no prefix cache, suffix history, "
+                "KV pool headroom or draft left to give up); raise --budget, shorten the context (--ctx) or "
+                "the conversation")
 
     def refusal(self) -> str:
         """Why new work is refused now (for a 429's JSON reason)."""

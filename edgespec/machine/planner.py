@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Iterator
 
 from edgespec.errors import EdgespecError
-from edgespec.machine.guard import (DEFAULT_PREFIX_CACHE_BYTES, default_estimates, ladder_lines, ladder_rows,
-                                    offer_engine_steps, release_draft)  # release_draft: its old home
+from edgespec.machine.guard import (DEFAULT_PREFIX_CACHE_BYTES, KV_POOL_HEADROOM, default_estimates, ladder_lines,
+                                    ladder_rows, offer_engine_steps, release_draft)  # release_draft: its old home
 from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
 
@@ -178,10 +178,12 @@ class Plan:
         draft = draft_bytes(self)
         notes = {"saved_state": "serve's prefix cache when full (--prefix-cache-mb)",
                  "suffix_history": "a full history (--history-limit)",
+                 "kv_pool": "the pools when empty, past 256 cells each" if self.settings.parallel <= 1
+                            else "--parallel's shared pool is not shrunk",
                  "draft_model": "its weights, KV and buffers" if draft else "no draft in this plan",
                  "refuse": "the last step"}
         return ladder_rows(default_estimates(draft or 0, self.prediction.host.get("reserved") or
-                                             DEFAULT_PREFIX_CACHE_BYTES), notes)
+                                             DEFAULT_PREFIX_CACHE_BYTES, kv_pool_bytes=kv_pool_bytes(self)), notes)
 
 
 def _margin(peak: int) -> int:
@@ -458,6 +460,17 @@ def _runtime_options(s: PlanSettings, n_threads: int | None, verbose: bool):
 def _device_bytes(engine) -> int:
     """What llama.cpp allocated on offload devices for an engine's models (the draft's until it is dropped)."""
     return sum(sum(rt.device_buffers().values()) for rt in (engine.target, engine.draft_runtime) if rt is not None)
+
+
+def kv_pool_bytes(the_plan: Plan) -> int:
+    """What the guard's kv_pool step frees at most under this plan: each model's KV pool (host and
+    device) past the KV_POOL_HEADROOM it keeps, with nothing held; none under --parallel (a shared pool)."""
+    s = the_plan.settings
+    if s.parallel > 1:
+        return 0
+    pools = [v for part in (the_plan.prediction.host, the_plan.prediction.device) for k, v in part.items()
+             if k.endswith(".kv")]
+    return int(sum(pools) * max(0.0, 1 - padded_ctx(KV_POOL_HEADROOM) / padded_ctx(s.n_ctx)))
 
 
 def draft_bytes(the_plan: Plan) -> int | None:
