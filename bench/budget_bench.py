@@ -156,7 +156,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "peak_rss_bytes": max(peaks) if peaks else None,
             "under_budget": all(r.get("under_budget") for r in runs),
             "draft_kept": all(r.get("draft_at_end") for r in runs),
-            "guard_dropped": sorted({step for r in runs for step in r.get("guard_dropped", [])}),
+            # in the ladder's order (each run's list is in the order the guard took the steps)
+            "guard_dropped": list(dict.fromkeys(step for r in runs for step in r.get("guard_dropped", []))),
             "plan_notes": sorted({note for r in runs for note in r.get("plan_notes", [])}),
             "outcomes": sorted({r["outcome"] for r in runs})})
     return lines

@@ -52,6 +52,14 @@ class MemoryReport:
                 **self.other, "total": self.total}
 
 
+CTX_PAD = 256  # llama.cpp rounds a context's n_ctx (its KV pool's cells) up to a multiple of this
+
+
+def padded_ctx(n_ctx: int) -> int:
+    """The n_ctx llama.cpp allocates for a requested one (64 -> 256, 1000 -> 1024, 1025 -> 1280)."""
+    return max(CTX_PAD, -(-n_ctx // CTX_PAD) * CTX_PAD)
+
+
 @dataclass(frozen=True)
 class Sizing:
     """How much one pass of a runtime holds: what draft lengths, tree widths and cost curves are cut to."""

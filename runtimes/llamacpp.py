@@ -23,10 +23,9 @@ import numpy as np
 import llama_cpp as ll
 
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
-from edgespec.machine.memory import padded_ctx
 from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NextTokenHeads, NotOffered, SavedState,
                                     SelectedRows, SeveralSequences, Sizing,
-                                     TokenSequence, TreeDecoding, VocabInfo)
+                                     TokenSequence, TreeDecoding, VocabInfo, padded_ctx)
 from edgespec.runtimes.identity import file_identity
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).

@@ -47,10 +47,10 @@ from typing import Any, Literal
 
 from edgespec import atomic
 from edgespec.errors import EdgespecError
+from edgespec.runtimes.base import padded_ctx  # llama.cpp pads a context; the runtime sizes pools by it too
 
 MiB = 1 << 20
 PAGE = 4096
-CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this
 
 # KV cache element types: (elements per block, bytes per block).
 KV_BLOCKS: dict[str, tuple[int, int]] = {
@@ -79,11 +79,6 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 def _page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
-
-
-def padded_ctx(n_ctx: int) -> int:
-    """The n_ctx llama.cpp allocates for a requested one (64 -> 256, 1000 -> 1024, 1025 -> 1280)."""
-    return max(CTX_PAD, -(-n_ctx // CTX_PAD) * CTX_PAD)
 
 
 def row_bytes(n_elements: int, cache_type: str) -> int:
