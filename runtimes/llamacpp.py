@@ -563,17 +563,16 @@ class LlamaCppRuntime(TokenSequence):
         _Log.buffers.clear()
         try:
             self._open_context(n_cells)
-        except EdgespecError as e:  # no memory for a larger pool: keep the one it had, and the sequence
+            failed = False
+        except EdgespecError:  # no memory for a larger pool: keep the one it had, and the sequence
             self._open_context(old_cells)
-            failed = e
-        else:
-            failed = None
+            failed = True
         self._n_past = 0
         if blob is not None:
             self.load_state(blob, tokens)
-        if failed is not None:
-            raise EdgespecError(f"llama.cpp could not grow the KV pool from {old_cells} to {n_cells} cells "
-                                f"({failed}); the sequence is kept, retry when memory is free or lower --ctx")
+        if failed:
+            raise EdgespecError(f"{self.path.name}: no memory to grow the KV pool from {old_cells} to {n_cells} "
+                                "cells; the sequence is kept: retry when memory is free, or lower --ctx")
 
     def _room_for(self, n: int) -> None:
         """Grow a shrunk pool (doubling, at most n_ctx) so that n more tokens fit."""

@@ -123,6 +123,39 @@ def test_the_kv_pools_shrink_mid_generation_and_grow_back_with_the_output_unchan
         assert not shared.pool_resizable and KvPoolReleaser(lambda: [shared]).frees() == 0
 
 
+GROW_WITHOUT_MEMORY = """
+import resource, sys
+import numpy as np
+from edgespec.errors import EdgespecError
+from edgespec.runtimes.llamacpp import LlamaCppOptions, LlamaCppRuntime
+
+rt = LlamaCppRuntime(sys.argv[1], LlamaCppOptions(n_ctx=32768, n_threads=1))
+rt.decode(np.arange(100, 200, dtype=np.int32), 1)
+rt.resize_pool(0)
+before = rt.decode([300], 1)
+rt.truncate(100)
+# the address space as it is, plus 64 MiB: room to re-make a small pool, not a 32k one
+vm = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+try:
+    rt.resize_pool(32768)
+except EdgespecError as e:
+    print(e)
+print(rt.pool_cells, rt.n_past, bool(np.array_equal(rt.decode([300], 1), before)))
+"""
+
+
+def test_a_pool_that_cannot_grow_keeps_its_sequence_and_says_so(smollm2_path):
+    """A real allocation failure (the address space capped in a child process): the runtime re-makes
+    the pool it had, keeps the held tokens (the next row is the one before), and says why in one line."""
+    proc = subprocess.run([sys.executable, "-c", GROW_WITHOUT_MEMORY, str(smollm2_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    error, state = proc.stdout.strip().splitlines()
+    assert "no memory to grow the KV pool from 256 to 32768 cells; the sequence is kept" in error
+    assert state == "256 100 True"
+
+
 def test_the_guard_climbs_the_ladder_until_memory_falls_under_the_soft_line():
     """Real pressure, real memory: the budget is set so that only shedding both holders gets under it."""
     from edgespec.drafters.suffix import SuffixHistory
