@@ -40,8 +40,8 @@ def train_tokenizer(kind: str = "gpt2", vocab_size: int = 400, added: tuple[str,
     """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on the repository's export corpus;
     `added`: tokens added after training that are not special, so they render as text (as Qwen2.5
     adds its `<tool_call>` tags)."""
-    from tokenizers import AddedToken
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                            trainers)
 
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

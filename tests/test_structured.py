@@ -676,7 +676,8 @@ HERMES_CHATML = (
 @pytest.fixture(scope="module")
 def hermes_tiny(tmp_path_factory) -> dict[str, object]:
     """A tiny random Qwen2 checkpoint whose vocabulary holds `<tool_call>` and `</tool_call>` as added
-    tokens that render as text (as Qwen2.5's does) and whose template teaches them, as a Hugging Face directory (MLX) and an fp32 ONNX export."""
+    tokens that render as text (as Qwen2.5's does) and whose template teaches them, as a Hugging Face
+    directory (MLX) and an fp32 ONNX export."""
     from edgespec.exporters.onnx_export import export_onnx
     from hf_models import write_tiny_checkpoint
 
