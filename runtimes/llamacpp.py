@@ -441,6 +441,7 @@ class LlamaCppRuntime(TokenSequence):
         self._model = None
         self._ctx = None
         self._batch = None
+        self.buffers: dict[str, int] = {}  # what llama.cpp allocated, by buffer (_open_context fills it)
         check_gguf_file(self.path)
         self.identity = identity or file_identity(self.path)  # names the model in compatibility_key
         _init_backend(options.verbose)
@@ -532,8 +533,7 @@ class LlamaCppRuntime(TokenSequence):
             raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {self.path}"
                                 f"{detail}; try a smaller --ctx or f16 KV types")
         self._mem = ll.llama_get_memory(self._ctx)
-        # what llama.cpp allocated, by buffer (a re-created context logs its KV and compute buffers anew)
-        self.buffers = {**getattr(self, "buffers", {}), **parse_buffer_sizes(_Log.buffers)}
+        self.buffers.update(parse_buffer_sizes(_Log.buffers))  # a re-created context logs its KV and compute anew
         self.pool_cells = int(ll.llama_n_ctx(self._ctx))
 
     # -- the KV pool's size: shrunk under memory pressure, grown back as the sequence needs ----------
@@ -557,7 +557,7 @@ class LlamaCppRuntime(TokenSequence):
         if n_cells == self.pool_cells or not self.pool_resizable:
             return
         held, old_cells = self._n_past, self.pool_cells
-        blob, tokens = (self.save_state(), self._tokens[:held].copy()) if held else (None, None)
+        blob, tokens = (self.save_state(), self.tokens) if held else (None, None)
         ll.llama_free(self._ctx)
         self._ctx = None
         _Log.buffers.clear()
