@@ -36,7 +36,8 @@ from edgespec.drafters import EMPTY_DRAFT, Draft, Drafter, DraftSources, lead_wi
 from edgespec.drafters.table import build_drafters
 from edgespec.errors import ContextOverflowError, EdgespecError
 from edgespec.machine.guard import MemoryGuard, cap_choice
-from edgespec.policy import DEFAULT_DRAFT_MAX, AdaptivePolicy, Choice, FixedPolicy, Policy, resolve_mode
+from edgespec.policy import (DEFAULT_DRAFT_MAX, AcceptanceRecord, AdaptivePolicy, Choice, FixedPolicy, Policy,
+                             resolve_mode)
 from edgespec.runtimes.base import GrammarVocabulary, Runtime, SelectedRows, TreeDecoding, sync_to
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.state import SpeculativeState
@@ -146,6 +147,9 @@ class Engine:
         self.use_history(history if history is not None else SuffixHistory())
         self._profile = None
         self.recorder: Recorder | None = None  # records every verify pass (edgespec.audit); off by default
+        # auto's acceptance estimates as the last generation left them, for the next if it is kin
+        self.acceptance: AcceptanceRecord | None = None
+        self._template_prefix: tuple[np.ndarray, np.ndarray] | None = None  # template_shares, computed once
 
     def use_history(self, history: SuffixHistory) -> None:
         """Earlier generations' outputs, which suffix drafting copies from (see edgespec.drafters.suffix);
@@ -231,7 +235,29 @@ class Engine:
 
     # -- the speculative loop -----------------------------------------------------------------
 
-    def policy_for(self, config: GenerationConfig) -> tuple[str, Policy]:
+    def template_shares(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` any other prompt of its shape shares through the chat
+        template alone (its header, a default system prompt it adds when a request has none): what
+        two prompts must share more than to be of one kind (AcceptanceRecord.kin)."""
+        if self._template_prefix is None:
+            self._template_prefix = (self._shared_by(lambda c: [{"role": "user", "content": c}]),
+                                     self._shared_by(lambda c: [{"role": "system", "content": c},
+                                                                {"role": "user", "content": "z"}]))
+        alone, with_system = self._template_prefix
+        return len(alone) if np.array_equal(np.asarray(prompt[:len(alone)]), alone) else len(with_system)
+
+    def _shared_by(self, chat) -> np.ndarray:
+        """The tokens two renders of `chat(content)` with different contents start with."""
+        try:
+            a, b = (np.asarray(self.prompt_tokens(chat(c))) for c in ("x", "y"))
+        except EdgespecError:  # no chat template, or none for this shape: raw prompts share nothing
+            return np.zeros(0, dtype=np.int64)
+        n = min(len(a), len(b))
+        return a[:int(np.argmin(a[:n] == b[:n])) if (a[:n] != b[:n]).any() else n]
+
+    def policy_for(self, config: GenerationConfig, prompt: Sequence[int] = ()) -> tuple[str, Policy]:
+        """The policy of --mode `config.mode`; auto starts from the last generation's acceptance record
+        where `prompt` is kin to the one it answered (AcceptanceRecord)."""
         mode = resolve_mode(config.mode, self.drafters)
         k = DEFAULT_DRAFT_MAX[mode if mode != "ar" else "auto"] if config.draft_max is None else config.draft_max
         if mode == "auto":
@@ -240,7 +266,10 @@ class Engine:
             rows = sizing.n_outputs_max  # a memory plan may size the context for fewer rows
             if rows:
                 k = min(k, rows - 1)
-            return mode, AdaptivePolicy(self.cost_profile(), *self.drafters.values(), k_max=k, max_branches=branches)
+            policy = AdaptivePolicy(self.cost_profile(), *self.drafters.values(), k_max=k, max_branches=branches)
+            if self.acceptance is not None and self.acceptance.kin(prompt, self.template_shares(prompt)):
+                policy.start_from(self.acceptance)
+            return mode, policy
         if mode == "ar":
             return mode, FixedPolicy(None, 0)
         return mode, FixedPolicy(self.drafters[mode], k)
@@ -408,7 +437,7 @@ class Engine:
 
     def begin(self, prompt_ids: Sequence[int], config: GenerationConfig) -> tuple[SpeculativeState, Policy]:
         self.check_fits(len(prompt_ids), config)  # before auto mode's first profile measurement
-        mode, policy = self.policy_for(config)
+        mode, policy = self.policy_for(config, prompt_ids)
         return self.start(prompt_ids, config, policy, mode), policy
 
     def rounds(self, state: SpeculativeState, policy: Policy, verifier: Verifier | None = None) -> Iterator[np.ndarray]:
@@ -426,9 +455,16 @@ class Engine:
                     yield new
         finally:
             state.stats.decode_s = time.perf_counter() - t_decode
-            self.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
+            self.remember(state, policy)
             if self.memory_guard is not None:
                 self.memory_guard.observe(state)
+
+    def remember(self, state: SpeculativeState, policy: Policy) -> None:
+        """What a generation leaves for later ones: its text, which suffix drafting may copy from, and
+        auto's acceptance record, which the next auto generation starts from."""
+        self.history.add(state.committed[state.n_prompt:])
+        if isinstance(policy, AdaptivePolicy):
+            self.acceptance = policy.record(state.committed[:state.n_prompt])
 
     def propose(self, state: SpeculativeState, policy: Policy) -> tuple[Choice, Draft]:
         """The first half of a round: the policy's choice, and the draft it asks for."""

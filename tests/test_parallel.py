@@ -302,3 +302,18 @@ def test_each_slot_keeps_its_prefix_for_the_next_request(smol_slots, plain):
     n_one = len(plain.prompt_tokens([{"role": "system", "content": one}]))
     n_two = len(plain.prompt_tokens([{"role": "system", "content": two}]))
     assert again_one.stats.cached_tokens >= n_one - 5 and again_two.stats.cached_tokens >= n_two - 5
+
+
+def test_every_slot_starts_from_what_auto_learned_in_any_of_them(smol_slots, plain):
+    """Auto's acceptance record (Engine.acceptance) is the engine's, not one slot's: a request that
+    ends in one slot leaves its record to every slot's next request."""
+    for e in smol_slots.engines:
+        e.acceptance = None
+    scheduler = SlotScheduler(smol_slots)
+    try:
+        asyncio.run(scheduler.generate(plain.prompt_tokens(COUNTING, raw=True),
+                                       GenerationConfig(max_tokens=12, temperature=0, mode="auto")))
+    finally:
+        scheduler.close()
+    records = [e.acceptance for e in smol_slots.engines]
+    assert records[0] is not None and all(r is records[0] for r in records)

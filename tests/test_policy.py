@@ -410,3 +410,84 @@ def test_auto_corrects_a_profile_that_a_busy_machine_bent():
         policy.estimates["lookup"].assume(0.6)  # acceptance stays 0.6
         chosen.append(choice.k)
     assert chosen[0] > 0 and chosen[-3:] == [0, 0, 0], chosen  # tried on the bent curve, then corrected
+
+
+# --- what one generation's auto leaves the next -----------------------------------------------
+
+def test_a_policy_starts_from_a_record_as_a_copy():
+    """A policy that saw lookup pass after 4-token matches and fail after 1-token ones leaves a record;
+    one started from it skips the 1-token match at once and expects more of the 4-token one, where a
+    fresh policy, on a curve where the priors make any copy worth a try (2 rows cost 1.3 steps),
+    drafts both on the priors. The record is a copy: the first policy learning more changes nothing in the second."""
+    from edgespec.policy import AcceptanceRecord
+
+    profile = CostProfile({1: 10 * MS, 2: 13 * MS, 3: 16 * MS, 4: 19 * MS}, None, None, 0.0)
+    lookup = PromptLookupDrafter()
+    long_match, short_match = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4], [20, 21, 22, 30, 31, 32, 20]
+    learner = AdaptivePolicy(profile, lookup, None, k_max=3)
+    for _ in range(12):
+        for context, truth in ((long_match, 5), (short_match, 40)):
+            learner.observe(learner.choose(make_state(context)), 0, 0, np.array([truth]))
+    record = learner.record([7, 7, 7])
+    assert isinstance(record, AcceptanceRecord) and {("lookup", 1), ("lookup", 4)} <= record.by_evidence.keys()
+
+    fresh, started = AdaptivePolicy(profile, lookup, None, k_max=3), AdaptivePolicy(profile, lookup, None, k_max=3)
+    started.start_from(record)
+    assert fresh.choose(make_state(short_match)).drafter is lookup    # the priors: worth a try
+    assert started.choose(make_state(short_match)).drafter is None   # the record: it fails here
+    sure, unsure = started.choose(make_state(long_match)), fresh.choose(make_state(long_match))
+    assert sure.drafter is lookup and sure.predicted_speed > unsure.predicted_speed  # a 4-token match passes
+    before = started.by_evidence["lookup", 1].trials.copy()
+    learner.observe(learner.choose(make_state(short_match)), 0, 0, np.array([41]))  # the learner goes on alone
+    assert np.array_equal(started.by_evidence["lookup", 1].trials, before)
+
+    longer = AdaptivePolicy(linear_profile(), lookup, None, k_max=6)  # another k_max: the positions both have
+    assert longer.k_max == 6
+    longer.start_from(record)
+    assert np.array_equal(longer.estimates["lookup"].trials[:3], record.estimates["lookup"].trials[:3])
+    assert np.array_equal(longer.estimates["lookup"].trials[3:], fresh.estimates["lookup"].trials[:1].repeat(3))
+    without = AdaptivePolicy(profile, None, None, k_max=3)  # a drafter it has not: left out
+    without.start_from(record)
+    assert "lookup" not in without.estimates and not without.by_evidence
+
+
+def test_a_record_is_kin_to_prompts_that_share_more_than_the_template_gives_them():
+    from edgespec.policy import AcceptanceRecord
+
+    record = AcceptanceRecord.of(AdaptivePolicy(linear_profile()), list(range(40)))
+    kin = AcceptanceRecord.KIN_TOKENS
+    assert record.kin(list(range(30)) + [99], template_shares=20)               # 10 shared past the template's
+    assert record.kin(list(range(20 + kin)), template_shares=20)
+    assert not record.kin(list(range(20 + kin - 1)) + [99], template_shares=20)  # one short
+    assert not record.kin(list(range(20 + kin - 1)), template_shares=20)          # a prompt too short to tell
+    assert not record.kin([5] + list(range(1, 40)), template_shares=20)           # differs inside it
+
+
+def test_the_engine_carries_autos_record_to_its_next_kin_generation(smollm2_path):
+    """Through the engine: an auto generation leaves its record (a plain one leaves it as it was); the
+    next auto generation starts from it if its prompt is kin (the same instructions, another
+    question), from the priors if not."""
+    with Engine(load_runtime(smollm2_path, n_ctx=1024, n_threads=1)) as engine:
+        engine._profile = linear_profile()
+        instructions = "Reply with the list of numbers the user gives, each once, in order, comma separated. "
+
+        def ask(question):
+            return engine.prompt_tokens([{"role": "system", "content": instructions},
+                                         {"role": "user", "content": question}])
+
+        first, kin, other = ask("1 2 3 4, 1 2 3 4, 1 2"), ask("5 6 7"), engine.prompt_tokens("Name a colour.")
+        assert engine.acceptance is None
+        engine.generate_tokens(first, GenerationConfig(max_tokens=16, temperature=0, mode="auto"))
+        record = engine.acceptance
+        assert record is not None and record.estimates.keys() == {"lookup", "suffix"}
+        assert np.array_equal(record.prompt, first)
+        engine.generate_tokens(other, GenerationConfig(max_tokens=4, temperature=0, mode="ar"))
+        assert engine.acceptance is record
+        assert record.kin(kin, engine.template_shares(kin)) and not record.kin(other, engine.template_shares(other))
+        # the template's own share: its default system prompt where a request has none, its header where one has
+        assert engine.template_shares(other) > engine.template_shares(kin) > 0
+        _, started = engine.policy_for(GenerationConfig(mode="auto"), kin)
+        _, fresh = engine.policy_for(GenerationConfig(mode="auto"), other)
+        assert np.array_equal(started.calibration.trials, record.calibration.trials)
+        assert np.array_equal(started.estimates["lookup"].hits, record.estimates["lookup"].hits)
+        assert not np.array_equal(fresh.calibration.trials, record.calibration.trials)

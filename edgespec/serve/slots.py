@@ -351,7 +351,7 @@ class SlotScheduler(Submitter):
                     rt.truncate(0)
             elif self.prefix_cache is not None:
                 gen.info["prefix_cache"] = self.prefix_cache.restore(slot.runtimes(), gen.prompt_ids)
-            mode, policy = engine.policy_for(gen.config)
+            mode, policy = engine.policy_for(gen.config, prompt)
             state = engine.new_state(prompt, gen.config, mode)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller; the worker keeps serving
             self.counters["failed"] += 1
@@ -454,7 +454,9 @@ class SlotScheduler(Submitter):
         gen.result = slot.output.result()
         finish = gen.result.finish_reason
         if not slot.prefilling:
-            slot.engine.history.add(state.committed[state.n_prompt:])  # later requests may draft from it
+            slot.engine.remember(state, slot.policy)  # its text and auto's acceptance, for later requests
+            for other in self.slots:  # every slot's next request starts from what auto learned here
+                other.engine.acceptance = slot.engine.acceptance
         if self.prefix_cache is not None and finish != "cancelled" and not slot.prefilling:
             self.prefix_cache.store(slot.runtimes())
         self.counters[{"cancelled": "cancelled", "timeout": "timed_out"}.get(finish, "completed")] += 1
