@@ -71,6 +71,7 @@ def one_run(engine, prompt: str, mode: str, max_tokens: int) -> dict:
     if engine.draft_runtime is not None:
         engine.draft_runtime.truncate(0)
     engine.use_history(SuffixHistory())
+    engine.acceptance = None  # as a fresh process's first request: no record from the runs before
     ll.llama_decode = traced
     try:
         r = engine.generate(prompt, GenerationConfig(max_tokens=max_tokens, temperature=0, mode=mode))

@@ -17,15 +17,20 @@ are not priced (as in bench/oracle.py); a real run's text can differ from plain'
 near-ties. tests/test_bench.py checks the replay against the engine: on the text a real auto run
 emitted, the replayed policy makes the same rounds at the same priced cost.
 
-Each prompt is replayed three times: auto as it is, and two ablations: auto with every lookup proposal
-rated by lookup's pooled acceptance, as it was before it rated each match length apart (PooledPolicy),
-and auto rating each proposal apart from the others, as it was before two that disagree were made
-exclusive (ApartPolicy). A calibration table then sets, per drafter and draft length, the tokens the
-policy predicted a round would emit (its predicted speed times the round's priced time) beside those
-it did.
+Each prompt is replayed six times: auto as the engine runs every request after its first, starting
+from the acceptance record the prompt before left it where the two prompts are kin (Engine.acceptance,
+AcceptanceRecord.kin; `--order mixed` makes the prompt before one of another class); auto from the
+priors, as a fresh process's first request (fresh); three ablations, each auto with one rule taken
+out: the record carried whatever the prompts' kinship (WholeRecordPolicy), every lookup proposal
+rated by lookup's pooled acceptance, as before auto rated each match length apart (PooledPolicy), and
+each proposal rated apart from the others, as before two that disagree were made exclusive
+(ApartPolicy); and a reference, auto told the rates it would learn from the whole text before it
+starts (InformedPolicy). A calibration table then sets, per drafter and draft length, the tokens
+the policy predicted a round would emit (its predicted speed times the round's priced time) beside
+those it did.
 
     python -m edgespec.bench.policy_replay --models qwen --threads 2 [--profile bench/race-head-qwen/results.json]
-                                           [--per-category N] [--out bench/replay-qwen]
+                                           [--per-category N] [--order classes|mixed] [--out bench/replay-qwen]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +52,7 @@ from edgespec.bench.stats_ci import LEVEL, geomean, geomean_interval
 from edgespec.drafters import DrafterKind, DraftSources
 from edgespec.drafters.suffix import SuffixHistory
 from edgespec.drafters.table import build_drafters, spec_for
-from edgespec.policy import AdaptivePolicy
+from edgespec.policy import NO_DRAFT, AcceptanceRecord, AdaptivePolicy, ShadowScorer
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.state import SpeculativeState
 from edgespec.stats import GenerationStats
@@ -80,9 +86,53 @@ class ApartPolicy(AdaptivePolicy):
         return [self.rates_of(d.name, p)[:min(len(p), k_cap)] for d, p in proposals]
 
 
-POLICIES = {"auto": AdaptivePolicy, "pooled": PooledPolicy, "apart": ApartPolicy}
-ABLATIONS = {"pooled": "lookup rated by its pooled record (no match-length levels)",
-             "apart": "each proposal rated apart from the others (no exclusivity)"}
+class InformedPolicy(AdaptivePolicy):
+    """Not an ablation but a reference: auto's own rule, told in advance what its estimates would
+    converge to on this very text. Before the replay it watches the whole text once (every position's
+    shadow proposals judged, nothing forgotten) and reads the draft model's per-position acceptance
+    from the teacher-forced runs; during the replay it learns nothing more. The gap from auto to it is
+    what better estimates of the same quantities could gain; the gap from it to the oracle is what
+    only knowing each draft's outcome (not its odds) gains."""
+
+    def learn_text(self, prompt: np.ndarray, text: np.ndarray, h: oracle.Hindsight) -> None:
+        for r in (*self.estimates.values(), self.calibration):
+            r.decay = 1.0
+        n_prompt, n = len(prompt), len(text)
+        context = np.concatenate([prompt, text]).astype(np.int32)
+        state = SpeculativeState(context, n_prompt, n_prompt, n, Sampler(SamplingParams(temperature=0.0), 0),
+                                 GenerationStats("auto"))
+        for j in range(n):
+            state.n = n_prompt + j
+            self.choose(state)  # asks every model-free drafter there, as auto's rounds do
+            super().observe(NO_DRAFT, 0, 0, text[j:j + 1])
+            for level in self.by_evidence.values():
+                level.decay = 1.0
+        for d in self._models:  # P(position i passes | all before it passed), from the teacher-forced runs
+            runs = h.accepted[d.name]
+            reached = np.array([(runs >= i).sum() for i in range(self.k_max)], dtype=float)
+            passed = np.array([(runs >= i + 1).sum() for i in range(self.k_max)], dtype=float)
+            self.estimates[d.name].trials[:] = reached + 1.0
+            self.estimates[d.name].assume((passed + 0.5) / (reached + 1.0))
+        self.shadows = ShadowScorer()
+
+    def observe(self, choice, n_drafted, n_accepted, emitted, *, pass_s=None) -> None:
+        self.shadows.observe(self._round_start, np.asarray(emitted))  # drained, not learned from
+
+
+class WholeRecordPolicy(AdaptivePolicy):
+    """The ablation: auto starting from the acceptance record of the prompt before whatever its kind
+    (the engine carries it only between kin prompts: AcceptanceRecord)."""
+
+
+POLICIES = {"auto": AdaptivePolicy, "fresh": AdaptivePolicy, "whole": WholeRecordPolicy, "pooled": PooledPolicy,
+            "apart": ApartPolicy, "informed": InformedPolicy}
+FROM_PRIORS = ("fresh", "informed")  # the others start each prompt from their own record of the one before
+VARIANTS = {"fresh": "auto starting every prompt from the priors, as a fresh process's first request does",
+            "whole": "ablation: auto starting from the record of the prompt before, kin or not",
+            "pooled": "ablation: lookup rated by its pooled record (no match-length levels)",
+            "apart": "ablation: each proposal rated apart from the others (no exclusivity)",
+            "informed": "reference: auto told in advance the rates it would learn from the whole text "
+                        "(what better estimates could gain; the rest of the oracle's gain needs each outcome)"}
 
 
 @dataclass
@@ -174,6 +224,7 @@ def run(engine, profile, items, texts: dict[str, list[int]], k_max: int) -> dict
     greedy = Sampler(SamplingParams(temperature=0.0), 0)
     out: dict[str, Replayed] = {}
     history: dict[str, list[list[int]]] = {}
+    carried: dict[str, AcceptanceRecord] = {}  # policy -> the record the prompt before left it
     for item in items:
         prompt = np.asarray(engine.prompt_tokens(item.messages), dtype=np.int32)
         text = np.asarray(texts[item.id], dtype=np.int64)
@@ -196,10 +247,17 @@ def run(engine, profile, items, texts: dict[str, list[int]], k_max: int) -> dict
             for d in candidates:
                 if isinstance(d, ReplayedDraftModel):
                     d.seen = 0
+            policy = cls(profile, *candidates, k_max=k_max)
+            if isinstance(policy, InformedPolicy):
+                policy.learn_text(prompt, text, h)
+            record = carried.get(name)
+            kin = record is not None and record.kin(prompt, engine.template_shares(prompt))
+            if record is not None and name not in FROM_PRIORS and (name == "whole" or kin):
+                policy.start_from(record)
             r, t = out[item.id], time.perf_counter()
-            r.seconds[name], r.choices[name], r.predicted[name] = replay(cls(profile, *candidates, k_max=k_max),
-                                                                         prompt, text, h, confidence, pricing)
+            r.seconds[name], r.choices[name], r.predicted[name] = replay(policy, prompt, text, h, confidence, pricing)
             r.work_s[name] = time.perf_counter() - t
+            carried[name] = policy.record(prompt)
         history[item.group].append(texts[item.id])
     return out
 
@@ -211,7 +269,8 @@ def summarize(items, replayed: dict[str, Replayed]) -> dict:
         auto_x, oracle_x = geomean([r.x() for r in mine]), geomean([r.oracle_x for r in mine])
         by_class[cls] = {"prompts": len(mine), **oracle_share(auto_x, oracle_x),
                          "worst_auto_x": min(r.x() for r in mine)}
-        for name in ABLATIONS:
+        for name in VARIANTS:
+            by_class[cls][f"{name}_share"] = oracle_share(geomean([r.x(name) for r in mine]), oracle_x)["fraction"]
             by_class[cls] |= {f"{name}_x": geomean([r.x(name) for r in mine]),
                               f"worst_{name}_x": min(r.x(name) for r in mine),
                               f"auto_over_{name}": geomean_interval([r.x() / r.x(name) for r in mine]).__dict__}
@@ -254,15 +313,17 @@ def render(doc: dict) -> str:
              "Auto x plain and the oracle x plain are geometric means over prompts of priced speedups; share: "
              f"auto's gain as a fraction of the oracle's (goal {ORACLE_GOAL}). This is a model of a run, not a "
              "timing: bench/race.py measures the same policy in wall-clock time.", "",
-             "Ablations, each auto with one rule taken out: " + "; ".join(f"{k}: {v}" for k, v in ABLATIONS.items())
-             + f". Auto / ablation: geometric mean over prompts with a {LEVEL:.0%} bootstrap interval (prompts resampled).", "",
-             "| class | prompts | auto x plain | worst prompt | " + " | ".join(f"{a} x plain | auto / {a}" for a in ABLATIONS)
-             + " | oracle x plain | auto's share of the oracle's gain |",
-             "|---|---:|---:|---:|" + "---:|---|" * len(ABLATIONS) + "---:|---:|"]
+             "Auto starts each prompt from the record of the one before where the two are kin (Engine.acceptance), "
+             "else from the priors. Beside it: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items())
+             + f". Auto / variant: geometric mean over prompts with a {LEVEL:.0%} bootstrap interval (prompts resampled).", "",
+             "| class | prompts | auto x plain | worst prompt | " + " | ".join(f"{a} x plain | auto / {a}" for a in VARIANTS)
+             + " | oracle x plain | auto's share of the oracle's gain | fresh's share | informed's share |",
+             "|---|---:|---:|---:|" + "---:|---|" * len(VARIANTS) + "---:|---:|---:|---:|"]
     for cls, s in doc["summary"].items():
-        share = "-" if s["fraction"] is None else f"{s['fraction']:.2f}"
+        share = " | ".join("-" if f is None else f"{f:.2f}"
+                           for f in (s["fraction"], s["fresh_share"], s["informed_share"]))
         ablated = " | ".join(f"{s[a + '_x']:.3f} | {s['auto_over_' + a]['value']:.3f} ({s['auto_over_' + a]['low']:.3f}-"
-                             f"{s['auto_over_' + a]['high']:.3f})" for a in ABLATIONS)
+                             f"{s['auto_over_' + a]['high']:.3f})" for a in VARIANTS)
         lines.append(f"| {cls} | {s['prompts']} | {s['auto_x']:.3f} | {s['worst_auto_x']:.3f} | {ablated} "
                      f"| {s['oracle_x']:.3f} | {share} |")
     lines += ["", "Calibration: per model-free drafter and draft length k, the tokens a round was predicted to emit "
@@ -277,12 +338,12 @@ def render(doc: dict) -> str:
                   "asks, and learning; no model runs; one timing, so a few per cent of noise): " + ", ".join(
                       f"{name} {w['us_per_round']:.0f} us over {w['rounds']} rounds" for name, w in doc["work_per_round"].items())
                   + ". A real round adds this to its target pass."]
-    lines += ["", "| prompt | class | auto x plain | " + " | ".join(f"{a} x plain" for a in ABLATIONS)
+    lines += ["", "| prompt | class | auto x plain | " + " | ".join(f"{a} x plain" for a in VARIANTS)
               + " | oracle x plain | auto chose (rounds per drafter:k) |",
-              "|---|---|---:|" + "---:|" * len(ABLATIONS) + "---:|---|"]
+              "|---|---|---:|" + "---:|" * len(VARIANTS) + "---:|---|"]
     for item_id, r in doc["prompts"].items():
         top = ", ".join(f"{k} {v}" for k, v in sorted(r["choices"].items(), key=lambda kv: -kv[1])[:4])
-        ablated = " | ".join(f"{r[a + '_x']:.3f}" for a in ABLATIONS)
+        ablated = " | ".join(f"{r[a + '_x']:.3f}" for a in VARIANTS)
         lines.append(f"| {item_id} | {r['category']} | {r['auto_x']:.3f} | {ablated} | {r['oracle_x']:.3f} | {top} |")
     return "\n".join(lines) + "\n"
 
@@ -296,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-category", type=int, default=None, help="shipped prompts per category [all]")
     p.add_argument("--profile", type=Path, default=None,
                    help="a race's results.json whose cost profile prices the replay [measure one now]")
+    p.add_argument("--order", choices=("classes", "mixed"), default="classes",
+                   help="prompts class by class (the race's order) or one of each class in turn; matters to "
+                        "auto, which starts a prompt from the record of the one before if they are kin")
     p.add_argument("--out", type=Path, default=Path("bench/out/replay"))
     args = p.parse_args(argv)
 
@@ -315,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = engine.cost_profile(refresh=True)
     args.out.mkdir(parents=True, exist_ok=True)
     items = shipped_items(args.per_category) + structured_items()
+    if args.order == "mixed":  # one prompt of each class in turn (each group's own order kept)
+        by_class: dict[str, list] = {}
+        for item in items:
+            by_class.setdefault(item.category, []).append(item)
+        items = [item for row in zip_longest(*by_class.values()) for item in row if item is not None]
     texts = plain_texts(engine, items, args.max_tokens, args.out / f"texts-{setup.name}.json")
     k_max = AdaptivePolicy(profile).k_max
     replayed = run(engine, profile, items, texts, k_max)
@@ -325,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
            "calibration": {"auto": calibration(replayed, "auto")},
            "work_per_round": work_per_round(replayed),
            "prompts": {i.id: {"category": i.category, "auto_x": replayed[i.id].x(),
-                              **{f"{a}_x": replayed[i.id].x(a) for a in ABLATIONS},
+                              **{f"{a}_x": replayed[i.id].x(a) for a in VARIANTS},
                               "oracle_x": replayed[i.id].oracle_x, "choices": replayed[i.id].choices["auto"]}
                        for i in items}}
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))

@@ -124,8 +124,8 @@ def shadow_logging(engine, log: list):
     (AdaptivePolicy.shadow_log); other policies, and the engine outside, are untouched."""
     policy_for = engine.policy_for
 
-    def logged(config):
-        mode, policy = policy_for(config)
+    def logged(config, prompt=()):
+        mode, policy = policy_for(config, prompt)
         if hasattr(policy, "shadow_log"):
             policy.shadow_log = log
         return mode, policy
@@ -191,9 +191,11 @@ class AutoOracle:
 
 
 def edgespec_run(engine, name: str, mode: str, k: int | None, ids: list[int], history: list[list[int]],
-                 max_tokens: int, hindsight: AutoOracle | None = None) -> dict:
+                 max_tokens: int, hindsight: AutoOracle | None = None, acceptance=None) -> dict:
+    """One timed run. `acceptance`: the record auto starts from (Engine.acceptance; None: the priors)."""
     from edgespec.engine import GenerationConfig
 
+    engine.acceptance = acceptance
     engine.target.truncate(0)  # no system reuses a previous run's prompt KV
     if engine.draft_runtime is not None:
         engine.draft_runtime.truncate(0)
@@ -294,6 +296,10 @@ def run_model(setup, args, threads: int, log, record=None) -> tuple[list[Run], d
     runs: list[Run] = _Recorded(record)
     references: dict[str, list[int]] = {}
 
+    # Auto starts each prompt from what its first run of the prompt before learned (Engine.acceptance),
+    # as a server's next request would; never from its own earlier repeats, which knew this very text.
+    acceptance = {"before": None, "after": None}
+
     def race(item: Item, history: list[list[int]]) -> None:
         ids = engine.prompt_tokens(item.messages)
         text = engine.prompt_text(item.messages)
@@ -302,9 +308,12 @@ def run_model(setup, args, threads: int, log, record=None) -> tuple[list[Run], d
                 where = dict(system=name, item=item.id, category=item.category, threads=threads, repeat=repeat,
                              model=setup.name, order=order)
                 if family == "edgespec":
-                    out = edgespec_run(engine, name, mode_or_tool, k_or_args, ids, history, args.max_tokens, hindsight)
+                    out = edgespec_run(engine, name, mode_or_tool, k_or_args, ids, history, args.max_tokens, hindsight,
+                                       acceptance["before"])
                     if name == PLAIN and item.id not in references:
                         references[item.id] = out["tokens"]
+                    if name == AUTO and repeat == 0:
+                        acceptance["after"] = engine.acceptance
                 else:
                     try:
                         out = cpp_run(mode_or_tool, k_or_args, text, threads=threads, ctx=args.ctx,
@@ -318,6 +327,7 @@ def run_model(setup, args, threads: int, log, record=None) -> tuple[list[Run], d
         auto = statistics.median([r.tok_s for r in mine if r.system == AUTO and r.tok_s])
         print(f"  {setup.name} t={threads} {item.id}: plain {plain:.1f} tok/s, auto {auto / plain:.2f}x", file=log,
               flush=True)
+        acceptance["before"] = acceptance["after"]
 
     for group in groups:
         for i, item in enumerate(group):
