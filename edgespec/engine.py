@@ -253,7 +253,8 @@ class Engine:
         except EdgespecError:  # no chat template, or none for this shape: raw prompts share nothing
             return np.zeros(0, dtype=np.int64)
         n = min(len(a), len(b))
-        return a[:int(np.argmin(a[:n] == b[:n])) if (a[:n] != b[:n]).any() else n]
+        differ = np.flatnonzero(a[:n] != b[:n])
+        return a[:differ[0] if len(differ) else n]
 
     def policy_for(self, config: GenerationConfig, prompt: Sequence[int] = ()) -> tuple[str, Policy]:
         """The policy of --mode `config.mode`; auto starts from the last generation's acceptance record
