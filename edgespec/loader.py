@@ -44,7 +44,7 @@ class LoadOptions:
     n_ctx: int = 4096                  # 0 = the model's training context (coreml: fixed at export)
     n_threads: int | None = None       # None = physical cores
     n_gpu_layers: int | None = None    # llamacpp; None = all layers where a GPU build has a GPU, else 0
-    flash_attn: bool | None = None     # llamacpp; None = llama.cpp decides
+    flash_attn: bool | None = None     # llamacpp; None = runtimes.base.flash_attention decides
     type_k: str = "f16"                # llamacpp KV cache types
     type_v: str = "f16"
     offload_kqv: bool = True           # llamacpp: the KV cache on the GPU with the offloaded layers

@@ -55,6 +55,25 @@ class MemoryReport:
 CTX_PAD = 256  # llama.cpp rounds a context's n_ctx (its KV pool's cells) up to a multiple of this
 
 
+FLOAT_KV = ("f32", "f16", "bf16")  # KV cache types that are not quantized
+
+
+def flash_attention(flash_attn: bool | None, type_v: str) -> bool | None:
+    """The flash attention a llama.cpp context gets (None: llama.cpp decides, which means on).
+
+    The caller's choice stands, and a quantized V cache needs it on. Otherwise llama.cpp's choice, on
+    the CPU too, although its CPU kernel makes every held token cost more (bench/FLASH_ATTN_RESULTS*.md:
+    off, SmolLM2-135M decodes 1.34x faster at 490 prompt tokens, the 1.5B target 1-2 % slower). Off,
+    a batched pass's logits differ from single-token passes' (up to 0.78 on SmolLM2, identical with it
+    on), so greedy speculation leaves plain decoding's text at gaps that are no near-ties (0.15 logits).
+    Output equal to plain decoding's comes first; `--no-flash-attn` is the faster choice for a small
+    model on long prompts.
+    """
+    if flash_attn is not None:
+        return flash_attn
+    return True if type_v not in FLOAT_KV else None
+
+
 def padded_ctx(n_ctx: int) -> int:
     """The n_ctx llama.cpp allocates for a requested one (64 -> 256, 1000 -> 1024, 1025 -> 1280)."""
     return max(CTX_PAD, -(-n_ctx // CTX_PAD) * CTX_PAD)

@@ -25,7 +25,7 @@ import llama_cpp as ll
 from edgespec.errors import ContextOverflowError, EdgespecError, ModelFileError
 from edgespec.runtimes.base import (GrammarVocabulary, MemoryReport, ModelIdentity, NextTokenHeads, NotOffered, SavedState,
                                     SelectedRows, SeveralSequences, Sizing,
-                                     TokenSequence, TreeDecoding, VocabInfo, padded_ctx)
+                                     TokenSequence, TreeDecoding, VocabInfo, FLOAT_KV, flash_attention, padded_ctx)
 from edgespec.runtimes.identity import file_identity
 
 # KV cache element types by name, with bytes per element (block types averaged over their block).
@@ -183,7 +183,7 @@ class LlamaCppOptions:
     n_threads_batch: int | None = None  # None = same as n_threads
     n_gpu_layers: int = 0      # -1 = all layers
     devices: tuple[str, ...] | None = None  # offload devices by name ("Vulkan0"); () = none, CPU only; None = all
-    flash_attn: bool | None = None      # None = llama.cpp decides (on where a quantized V cache needs it)
+    flash_attn: bool | None = None      # None = flash_attention (runtimes/base.py) decides
     type_k: str = "f16"
     type_v: str = "f16"
     offload_kqv: bool = True   # keep the KV cache on the GPU when layers are offloaded
@@ -197,7 +197,7 @@ class LlamaCppOptions:
         for kind, name in (("type_k", self.type_k), ("type_v", self.type_v)):
             if name not in KV_TYPES:
                 raise EdgespecError(f"unknown KV cache type {kind}={name!r}; use one of {', '.join(KV_TYPES)}")
-        if self.type_v not in ("f32", "f16", "bf16") and self.flash_attn is False:
+        if self.type_v not in FLOAT_KV and self.flash_attn is False:
             raise EdgespecError(f"a quantized V cache (type_v={self.type_v}) needs flash attention; "
                                 "drop --no-flash-attn or use type_v=f16")
         if self.n_ctx < 0 or self.n_batch < 1:
@@ -244,6 +244,12 @@ def parse_buffer_sizes(lines: Sequence[str]) -> dict[str, int]:
     return out
 
 
+def _flash_attn_type(flash: bool | None) -> int:
+    """llama.cpp's setting for a resolved `flash_attention` (None: its own choice)."""
+    return (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if flash is None else
+            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+
 def dry_run_compute_buffers(path: str | os.PathLike, configs: Sequence[dict]) -> list[dict[str, int]]:
     """Compute buffers llama.cpp reserves for each context configuration, without loading weights.
 
@@ -270,9 +276,7 @@ def dry_run_compute_buffers(path: str | os.PathLike, configs: Sequence[dict]) ->
             cparams.n_seq_max = 1
             cparams.type_k = KV_TYPES[config.get("type_k", "f16")][0]
             cparams.type_v = KV_TYPES[config.get("type_v", "f16")][0]
-            fa = config.get("flash_attn")
-            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
-                                       ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            cparams.flash_attn_type = _flash_attn_type(flash_attention(config.get("flash_attn"), config.get("type_v", "f16")))
             cparams.n_threads = cparams.n_threads_batch = 1
             _Log.buffers.clear()
             ctx = ll.llama_init_from_model(model, cparams)
@@ -521,12 +525,7 @@ class LlamaCppRuntime(TokenSequence):
         cparams.type_v = KV_TYPES[options.type_v][0]
         cparams.offload_kqv = options.offload_kqv
         cparams.no_perf = True
-        quantized_v = options.type_v not in ("f32", "f16", "bf16")
-        if options.flash_attn is None:
-            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if quantized_v else ll.LLAMA_FLASH_ATTN_TYPE_AUTO
-        else:
-            cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn
-                                       else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.flash_attn_type = _flash_attn_type(flash_attention(options.flash_attn, options.type_v))
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             detail = f" (llama.cpp: {_Log.recent[-1]})" if _Log.recent else ""
@@ -972,7 +971,7 @@ class LlamaCppMultiSeqRuntime(LlamaCppRuntime):
                  identity: dict | None = None, streams: bool = True):
         if not 1 <= n_seq <= 256:
             raise EdgespecError(f"n_seq must be between 1 and 256, got {n_seq}")
-        if options.flash_attn is None and options.type_v in ("f32", "f16", "bf16"):
+        if options.flash_attn is None and options.type_v in FLOAT_KV:
             # Sessions interleave in the shared pool, so a session's cells leave position order after
             # another's rollback frees cells below them; llama.cpp's CPU flash attention then gives
             # other results (up to ~1.3 logits on SmolLM2 in tests) than the in-order cells of a

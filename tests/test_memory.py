@@ -81,6 +81,19 @@ def test_repack_rules_follow_the_cpu_features(qwen05):
     assert not repacked(by_type["Q4_K"], Calibration(build="no-repack", cpu_features=("AVX2",), repack=False))
 
 
+def test_the_planner_prices_the_flash_attention_the_runtime_gets(smol):
+    """One rule (runtimes.base.flash_attention) for the runtime, its dry runs and the planner: the
+    caller's choice stands, a quantized V cache turns it on, else llama.cpp decides."""
+    cal = Calibration(build="any")
+    assert ModelSettings().flash is None and ModelSettings(flash_attn=False).flash is False
+    assert ModelSettings(type_k="q8_0", type_v="q4_0").flash is True
+    quantized = dict(n_ctx=4096, type_k="q8_0", type_v="q4_0")
+    assert compute_buffer_bytes(smol, ModelSettings(**quantized), cal) == \
+        compute_buffer_bytes(smol, ModelSettings(**quantized, flash_attn=True), cal)
+    assert compute_buffer_bytes(smol, ModelSettings(n_ctx=4096), cal) != \
+        compute_buffer_bytes(smol, ModelSettings(n_ctx=4096, flash_attn=False), cal)
+
+
 def test_compute_buffer_matches_llama_cpp_on_a_model_it_was_not_calibrated_on(qwen05):
     """The scales come from SmolLM2's dry runs; here the 0.5B Qwen at other sizes and KV types."""
     from edgespec.machine.memory import calibrate

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from edgespec import atomic
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.base import padded_ctx  # llama.cpp pads a context; the runtime sizes pools by it too
+from edgespec.runtimes.base import FLOAT_KV, flash_attention, padded_ctx  # the runtime decides these alike
 
 MiB = 1 << 20
 PAGE = 4096
@@ -57,7 +57,6 @@ KV_BLOCKS: dict[str, tuple[int, int]] = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q5_1": (32, 24),
     "q5_0": (32, 22), "q4_1": (32, 20), "q4_0": (32, 18),
 }
-FLOAT_KV = ("f32", "f16", "bf16")
 
 MemoryKind = Literal["cpu", "discrete", "unified"]
 
@@ -421,7 +420,7 @@ class ModelSettings:
     n_ctx: int = 4096
     type_k: str = "f16"
     type_v: str = "f16"
-    flash_attn: bool | None = None   # None: llama.cpp decides (on where a quantized V cache needs it)
+    flash_attn: bool | None = None   # None: flash_attention (runtimes/base.py) decides; `flash` says what
     n_batch: int = 512
     n_outputs_max: int = 1           # logits rows one decode may return (k + 1 for a target)
     n_gpu_layers: int = 0            # -1 = all
@@ -432,6 +431,11 @@ class ModelSettings:
     @property
     def kv_quantized(self) -> bool:
         return self.type_k not in FLOAT_KV or self.type_v not in FLOAT_KV
+
+    @property
+    def flash(self) -> bool | None:
+        """The flash attention this load gets (see flash_attention)."""
+        return flash_attention(self.flash_attn, self.type_v)
 
     def runtime_options(self) -> dict:
         """Keyword arguments for `LlamaCppOptions`."""
@@ -554,7 +558,7 @@ def compute_buffer_bytes(facts: ModelFacts, s: ModelSettings, cal: Calibration) 
     O = min(s.n_outputs_max or T, T)
     E, F, V = facts.n_embd, facts.n_ff, facts.n_vocab
     n_kv = padded_ctx(s.n_ctx)
-    flash = s.flash_attn is not False
+    flash = s.flash is not False
     if flash:
         ffn = 4 * T * (3 * F + (3 if s.kv_quantized else 4) * E)
         layer = cal.ffn_scale * ffn + cal.mask_scale * 2 * T * n_kv
@@ -616,7 +620,7 @@ def _model_terms(facts: ModelFacts, s: ModelSettings, cal: Calibration, hw: Hard
         # The embedding-wide input rows of the graph stay in the host's compute buffer (the token lookup
         # runs on the CPU): 3 rows per token without flash attention, 2 with (measured with llama.cpp's
         # Vulkan backend, bench/VULKAN_RESULTS.md; not yet checked on CUDA or Metal).
-        dev[f"{prefix}.compute"] = compute - 4 * s.n_batch * facts.n_embd * (2 if s.flash_attn is not False else 3)
+        dev[f"{prefix}.compute"] = compute - 4 * s.n_batch * facts.n_embd * (2 if s.flash is not False else 3)
         host[f"{prefix}.compute"] = 4 * s.n_batch * facts.n_embd * 2  # token embeddings, read on the CPU
     else:
         dev[f"{prefix}.compute"] = compute

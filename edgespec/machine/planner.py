@@ -39,6 +39,7 @@ from edgespec.machine.guard import (DEFAULT_PREFIX_CACHE_BYTES, KV_POOL_HEADROOM
                                     ladder_rows, offer_engine_steps, release_draft)  # release_draft: its old home
 from edgespec.machine.memory import (MiB, Calibration, Hardware, ModelFacts, ModelSettings, Prediction, Setup,
                              calibrate, format_bytes, model_facts, padded_ctx, predict, repacked)
+from edgespec.runtimes.base import FLOAT_KV, flash_attention
 
 CTX_LADDER = (4096, 2048, 1024, 512)
 # (K, V) cache types, best first. K stops at q8_0: a q4_0 K cache turned Qwen2.5-Coder-1.5B's greedy output
@@ -74,7 +75,7 @@ class PlanSettings:
         """On where a quantized V cache needs it; else llama.cpp decides; off for parallel slots."""
         if self.parallel > 1:
             return False
-        return True if self.type_v not in ("f32", "f16", "bf16") else None
+        return flash_attention(None, self.type_v)
 
     def target_settings(self) -> ModelSettings:
         return ModelSettings(n_ctx=self.n_ctx, type_k=self.type_k, type_v=self.type_v, flash_attn=self.flash_attn,
@@ -227,7 +228,7 @@ def candidates(target: ModelFacts, draft: ModelFacts | None, *, contexts: tuple[
                kv_ladder: tuple[tuple[str, str], ...] = KV_LADDER, parallel: int = 1) -> Iterator[PlanSettings]:
     """Every setting the planner may choose, most preferred first."""
     if parallel > 1:  # flash attention off: a quantized V cache is not possible
-        kv_ladder = tuple((k, v) for k, v in kv_ladder if v in ("f32", "f16", "bf16"))
+        kv_ladder = tuple((k, v) for k, v in kv_ladder if v in FLOAT_KV)
     for n_ctx in contexts:
         for draft_on in ((True, False) if draft is not None else (False,)):
             models = [target] + ([draft] if draft_on else [])
