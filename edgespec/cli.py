@@ -39,7 +39,9 @@ TARGET = typer.Option(None, "--target", "-m", help=TARGET_HELP)
 THREADS = typer.Option(None, help="CPU threads [default: physical cores]")
 GPU_LAYERS = typer.Option(None, help="layers to offload to the GPU (-1 = all) [default: all with a GPU build and a GPU, else 0]")
 GPU_BUDGET = typer.Option(None, "--gpu-budget", help="VRAM budget on a discrete GPU [default: the GPU's memory]")
-FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides]")
+FLASH_ATTN = typer.Option(None, "--flash-attn/--no-flash-attn", help="flash attention [default: llama.cpp decides, on for a quantized V cache]; on the "
+                          "CPU, off decodes a small model's long prompts faster, but batched passes then round "
+                          "differently from single steps (README, Results)")
 DRAFT = typer.Option(None, "--draft", "-d", help="draft model with the target's vocabulary (named like --target), "
                      "or auto: an installed model whose vocabulary matches")
 CTX = typer.Option(4096, "--ctx", "-c", help="context size in tokens (0 = the model's training context)")

@@ -382,3 +382,24 @@ def test_the_policy_replay_makes_the_rounds_a_real_auto_run_made(smollm2_path):
     seconds, chosen, _ = replay(policy, np.asarray(prompt, dtype=np.int32), text, orc.Hindsight(text, {}), None, pricing)
     assert chosen == result.stats.chosen
     assert seconds == pytest.approx(pricing.run_seconds(result.stats), rel=1e-12)
+
+
+def test_flash_attn_bench_runs_both_settings_on_every_prompt_and_mode(tmp_path, smollm2_path):
+    """The flash-attention bench, tiny (a chat prompt and a grounded edit, 8 tokens, one repeat): each
+    prompt and mode ran with flash attention on and off, and the summary counts what the runs hold."""
+    from edgespec.bench import flash_attn_bench
+
+    out = tmp_path / "fa.md"
+    assert flash_attn_bench.main(["--models", "smollm2", "--per-class", "1", "--repeats", "1",
+                                  "--max-tokens", "8", "--out", str(out)]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())["models"]["smollm2"]
+    runs = doc["runs"]
+    assert sorted((r["class"], r["mode"], r["fa"]) for r in runs) == sorted(
+        (c, m, fa) for c in ("chat", "grounded") for m in ("ar", "auto") for fa in ("on", "off"))
+    assert all(r["tokens_per_s"] > 0 and len(r["tokens"]) == 8 for r in runs)
+    auto = {r["class"]: r for r in doc["summary"] if r["mode"] == "auto"}
+    for cls in ("chat", "grounded"):
+        texts = {(r["mode"], r["fa"]): r["tokens"] for r in runs if r["class"] == cls}
+        assert auto[cls]["as_plain_on"] == int(texts["auto", "on"] == texts["ar", "on"])
+        assert auto[cls]["as_plain_off"] == int(texts["auto", "off"] == texts["ar", "off"])
+    assert "| smollm2 | auto | grounded | 1 |" in out.read_text()
