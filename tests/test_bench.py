@@ -403,3 +403,20 @@ def test_flash_attn_bench_runs_both_settings_on_every_prompt_and_mode(tmp_path, 
         assert auto[cls]["as_plain_on"] == int(texts["auto", "on"] == texts["ar", "on"])
         assert auto[cls]["as_plain_off"] == int(texts["auto", "off"] == texts["ar", "off"])
     assert "| smollm2 | auto | grounded | 1 |" in out.read_text()
+
+
+def test_depth_curve_times_every_point_for_both_flash_settings(tmp_path, smollm2_path):
+    """The depth curve, tiny (SmolLM2, 2 depths x 2 sizes, one repeat): a positive time for every point of
+    both settings, and the table's steps are each point over the 1-row pass at its depth."""
+    from edgespec.bench import depth_curve
+
+    out = tmp_path / "depth.md"
+    assert depth_curve.main(["--models", "smollm2-135m:1", "--held", "64,128", "--rows", "1,3",
+                             "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())["models"]["smollm2-135m"]
+    for fa in ("on", "off"):
+        assert set(res[fa]) == {"64", "128"} and all(set(ms) == {"1", "3"} and min(ms.values()) > 0
+                                                     for ms in res[fa].values())
+    ms = res["off"]["128"]
+    assert f"| smollm2-135m, 1 | off | 128 | {ms['1']:.1f} (1.00) | {ms['3']:.1f} ({ms['3'] / ms['1']:.2f}) |" \
+        in out.read_text()
