@@ -5,9 +5,10 @@ Priced time. A run's stats count its target passes by the rows each fed (`passes
 tokens each drafter drafted (`chosen`). Priced by the cost profile auto itself uses
 (edgespec.machine.profile.CostProfile), a run costs
 
-    sum over passes verify(rows) + draft-model tokens x draft_s + asks of model-free drafters x ask_s
+    sum over passes verify(rows, held) + draft-model tokens x draft_s + asks of model-free drafters x ask_s
 
-seconds, with no timing noise in it: two runs that made the same passes cost the same. Auto asks
+seconds (held: the tokens a pass followed, `held_by_rows`), with no timing noise in it: two runs that
+made the same passes cost the same. Auto asks
 every model-free drafter every round (edgespec.policy.ShadowScorer); a fixed lookup or suffix mode
 asks its drafter once a round. The draft model's prefill and catch-up decodes, and tree passes
 beyond their row count, are not priced (on either side of a comparison).
@@ -21,7 +22,8 @@ the committed text, and an autoregressive draft from j would have kept as many t
 predictions match the text from j (each drafted token, while right, is the text's token, so the next
 proposal is the teacher-forced one). A dynamic program over positions then finds the cheapest way to
 emit the same tokens: at position j, plain decoding (verify(1), advance 1), or drafter d with k
-tokens (its draft cost + verify(k + 1), advance min(k, accepted) + 1).
+tokens (its draft cost + verify(k + 1), advance min(k, accepted) + 1), each pass priced after the
+n_prompt + j tokens it follows.
 
     plain/auto - 1 over plain/oracle - 1 is auto's share of what any policy could have gained.
 """
@@ -35,6 +37,7 @@ import numpy as np
 
 from edgespec.drafters.base import DrafterKind
 from edgespec.drafters.table import spec_for
+from edgespec.machine.profile import CONTEXT_TOKENS
 
 END = -1  # the end-of-generation position of a text that stopped on an end token (any of them matches)
 
@@ -46,8 +49,8 @@ class Pricing:
     profile: object                 # edgespec.machine.profile.CostProfile
     model_free: tuple[str, ...]     # the model-free drafters the engine had (auto asks each every round)
 
-    def verify(self, rows: int) -> float:
-        return self.profile.verify(rows)
+    def verify(self, rows: int, held: int = CONTEXT_TOKENS) -> float:
+        return self.profile.verify(rows, held)
 
     def ask(self, drafter: str) -> float:
         return spec_for(drafter).ask_s(self.profile)
@@ -60,7 +63,9 @@ class Pricing:
 
     def run_seconds(self, stats) -> float:
         """A finished run's priced time, from its GenerationStats (see the module docstring)."""
-        verify = sum(n * self.verify(rows) for rows, n in stats.passes_by_rows.items())
+        # verify() is linear in the tokens held, so n passes cost n at their mean depth
+        verify = sum(n * self.verify(rows, stats.held_by_rows.get(rows, CONTEXT_TOKENS * n) / n)
+                     for rows, n in stats.passes_by_rows.items())
         model = 0.0
         for key, n in stats.chosen.items():
             drafter, k = key.rsplit(":", 1)
@@ -136,6 +141,7 @@ class Hindsight:
     text: np.ndarray                    # with_end(...): the positions the run emitted
     accepted: dict[str, np.ndarray]     # drafter -> accepted tokens at each position (its k permitting)
     recorded: dict[str, int] = field(default_factory=dict)  # drafter -> positions whose proposal was auto's own
+    n_prompt: int = CONTEXT_TOKENS      # the tokens before the text: position j's pass follows n_prompt + j
     agree: dict[str, int] = field(default_factory=dict)     # of those, where asking again gave the same proposal
 
 
@@ -152,7 +158,7 @@ def hindsight(prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], k_ma
     logged: dict[tuple[str, int], np.ndarray] = {}
     for position, name, tokens in shadow_log:
         logged.setdefault((name, position - n_prompt), tokens)
-    out = Hindsight(text, {})
+    out = Hindsight(text, {}, n_prompt=n_prompt)
     for name, drafter in dict(model_free).items():
         acc = np.zeros(len(text), dtype=np.int64)
         out.recorded[name] = out.agree[name] = 0
@@ -188,11 +194,14 @@ def oracle(h: Hindsight, pricing: Pricing, k_max: int, drafters: Sequence[str] |
     (default: every one in h)."""
     names = list(h.accepted if drafters is None else drafters)
     n = len(h.text)
-    verify = [0.0] + [pricing.verify(r) for r in range(1, k_max + 2)]
-    cost = {d: [0.0] + [verify[k + 1] + pricing.draft(d, k) for k in range(1, k_max + 1)] for d in names}
+    draft = {d: [0.0] + [pricing.draft(d, k) for k in range(1, k_max + 1)] for d in names}
     best = np.zeros(n + 1)
     move: list[tuple[str, int, int]] = [("none", 0, 1)] * n
+    plain_seconds = 0.0
     for j in range(n - 1, -1, -1):
+        verify = [0.0] + [pricing.verify(r, h.n_prompt + j) for r in range(1, k_max + 2)]
+        cost = {d: [0.0] + [verify[k + 1] + draft[d][k] for k in range(1, k_max + 1)] for d in names}
+        plain_seconds += verify[1]
         best[j], move[j] = verify[1] + best[j + 1], ("none", 0, 1)
         for d in names:
             a = int(h.accepted[d][j])
@@ -207,4 +216,4 @@ def oracle(h: Hindsight, pricing: Pricing, k_max: int, drafters: Sequence[str] |
         d, k, step = move[j]
         choices[f"{d}:{k}"] = choices.get(f"{d}:{k}", 0) + 1
         j += step
-    return Oracle(float(best[0]), n * verify[1], choices)
+    return Oracle(float(best[0]), plain_seconds, choices)

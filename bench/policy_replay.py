@@ -17,14 +17,15 @@ are not priced (as in bench/oracle.py); a real run's text can differ from plain'
 near-ties. tests/test_bench.py checks the replay against the engine: on the text a real auto run
 emitted, the replayed policy makes the same rounds at the same priced cost.
 
-Each prompt is replayed six times: auto as the engine runs every request after its first, starting
+Each prompt is replayed seven times: auto as the engine runs every request after its first, starting
 from the acceptance record the prompt before left it where the two prompts are kin (Engine.acceptance,
 AcceptanceRecord.kin; `--order mixed` makes the prompt before one of another class); auto from the
-priors, as a fresh process's first request (fresh); three ablations, each auto with one rule taken
+priors, as a fresh process's first request (fresh); four ablations, each auto with one rule taken
 out: the record carried whatever the prompts' kinship (WholeRecordPolicy), every lookup proposal
-rated by lookup's pooled acceptance, as before auto rated each match length apart (PooledPolicy), and
+rated by lookup's pooled acceptance, as before auto rated each match length apart (PooledPolicy),
 each proposal rated apart from the others, as before two that disagree were made exclusive
-(ApartPolicy); and a reference, auto told the rates it would learn from the whole text before it
+(ApartPolicy), and every pass priced at the profile's shallow depth, as before the profile timed two
+(ShallowPolicy); and a reference, auto told the rates it would learn from the whole text before it
 starts (InformedPolicy). A calibration table then sets, per drafter and draft length, the tokens
 the policy predicted a round would emit (its predicted speed times the round's priced time) beside
 those it did.
@@ -124,13 +125,23 @@ class WholeRecordPolicy(AdaptivePolicy):
     (the engine carries it only between kin prompts: AcceptanceRecord)."""
 
 
+class ShallowPolicy(AdaptivePolicy):
+    """The ablation: auto as it was before session 21, every pass priced at the profile's 64 held
+    tokens (its online costs still learn from the passes' depth-priced times, as they learnt from the
+    real passes' times)."""
+
+    def _reach(self, held):
+        pass
+
+
 POLICIES = {"auto": AdaptivePolicy, "fresh": AdaptivePolicy, "whole": WholeRecordPolicy, "pooled": PooledPolicy,
-            "apart": ApartPolicy, "informed": InformedPolicy}
+            "apart": ApartPolicy, "shallow": ShallowPolicy, "informed": InformedPolicy}
 FROM_PRIORS = ("fresh", "informed")  # the others start each prompt from their own record of the one before
 VARIANTS = {"fresh": "auto starting every prompt from the priors, as a fresh process's first request does",
             "whole": "ablation: auto starting from the record of the prompt before, kin or not",
             "pooled": "ablation: lookup rated by its pooled record (no match-length levels)",
             "apart": "ablation: each proposal rated apart from the others (no exclusivity)",
+            "shallow": "ablation: every pass priced at the profile's 64 held tokens (no depth)",
             "informed": "reference: auto told in advance the rates it would learn from the whole text "
                         "(what better estimates could gain; the rest of the oracle's gain needs each outcome)"}
 
@@ -138,7 +149,7 @@ VARIANTS = {"fresh": "auto starting every prompt from the priors, as a fresh pro
 @dataclass
 class Replayed:
     seconds: dict[str, float]                        # priced time of each policy's rounds on the text
-    plain_seconds: float                             # one verify(1) per token
+    plain_seconds: float                             # one verify(1) per token, at its depth
     oracle_seconds: float
     choices: dict[str, dict[str, int]] = field(default_factory=dict)  # policy -> "drafter:k" -> rounds
     # policy -> (drafter, k, tokens predicted, tokens emitted) of each model-free drafting round
@@ -186,7 +197,7 @@ def replay(policy: AdaptivePolicy, prompt: np.ndarray, text: np.ndarray, h: orac
             accepted = oracle.accepted_run(draft.tokens, text, j, frozenset())
         else:
             accepted = 0
-        pass_s = pricing.verify(k + 1)
+        pass_s = pricing.verify(k + 1, state.n)
         seconds += pass_s + asks + (pricing.draft(name, k) if name in model else 0.0)
         key = f"{name if k else 'none'}:{k}"
         choices[key] = choices.get(key, 0) + 1

@@ -311,10 +311,18 @@ def profile(
     if as_json:
         typer.echo(json.dumps({**prof.to_dict(), **({"curve": measured} if curve else {})}))
         return
+    from edgespec.machine.profile import CONTEXT_TOKENS
+
     plain = prof.verify(1)
-    typer.echo(f"target verify pass (measured in {prof.measured_in_s:.1f}s; plain decoding {1 / plain:.1f} tok/s):")
+    deep = f"; right: over {prof.deep_tokens}" if prof.deep_tokens else ""
+    typer.echo(f"target verify pass over {CONTEXT_TOKENS} held tokens{deep} (measured in {prof.measured_in_s:.1f}s; "
+               f"plain decoding {1 / plain:.1f} tok/s):")
     for n, s in sorted(prof.verify_s.items()):
-        typer.echo(f"  {n:>2} tokens: {s * 1000:8.2f} ms  ({s / plain:.2f} x one step)")
+        line = f"  {n:>2} tokens: {s * 1000:8.2f} ms  ({s / plain:.2f} x one step)"
+        if n in prof.verify_deep_s:
+            d, step = prof.verify_deep_s[n], prof.verify(1, prof.deep_tokens)
+            line += f"  {d * 1000:8.2f} ms  ({d / step:.2f} x one step there)"
+        typer.echo(line)
     if prof.draft_s is not None:
         typer.echo(f"draft step: {prof.draft_s * 1000:.2f} ms ({prof.draft_s / plain:.2f} x a target step)")
     typer.echo(f"lookup proposal: {prof.lookup_s * 1e6:.0f} us")

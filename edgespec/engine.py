@@ -406,7 +406,7 @@ class Engine:
         v = verification
         f = v.draft.forced
         state.stats.record_round(drafter_name, len(v.draft) - f, max(0, v.n_accepted - f),
-                                 forced=f, forced_accepted=min(f, v.n_accepted))
+                                 forced=f, forced_accepted=min(f, v.n_accepted), held=state.n)
         new = np.append(v.accepted, np.int32(v.token)).astype(np.int32)
         eog = self.target.vocab.eog
         for i, token in enumerate(new.tolist()):

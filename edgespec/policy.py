@@ -42,6 +42,7 @@ import numpy as np
 from edgespec.drafters.table import BY_NAME, DRAFTERS, spec_for
 from edgespec.drafters import Draft, Drafter, DrafterKind
 from edgespec.errors import EdgespecError
+from edgespec.machine.profile import CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from edgespec.state import SpeculativeState
@@ -53,6 +54,9 @@ DEFAULT_DRAFT_MAX = {**{spec.name: spec.default_k for spec in DRAFTERS}, "auto":
 # estimates follow the last few rounds, so the option that looks best is biased upward (the winner's
 # curse): break-even choices, prompt lookup on chat text above all, measured 2-4 % slower than plain.
 SPECULATION_MARGIN = 0.05
+# Passes are re-priced at the KV depth reached once it moves this many tokens: on SmolLM2 a 17-row
+# pass costs ~0.35 ms more per 1000 held tokens, so 32 moves a price by under 1 %.
+DEPTH_STEP = 32
 
 # gate(n_drafted, confidence of the last token, product of confidences) -> keep drafting?
 Gate = Callable[[int, float, float], bool]
@@ -354,7 +358,9 @@ class OnlineCosts:
     A profile is measured once, in seconds, and a busy machine bends it (measured here: a 2-row pass
     "cheaper" than a 1-row one). Every round times its pass, so the sizes auto uses are soon known
     as they are now; sizes not seen yet follow the profile, scaled by how the seen ones compare to
-    it. A pass never costs less for more rows, so the curve is kept non-decreasing.
+    it. A pass never costs less for more rows, so the curve is kept non-decreasing. What is learnt is
+    each size's ratio to the prior, so a prior that moves (the profile's price at the KV depth the
+    generation has reached) carries what the timings said.
     """
 
     ALPHA = 0.2        # weight of the newest timing of a size
@@ -364,20 +370,25 @@ class OnlineCosts:
         # Python floats, not arrays: <= 17 of them, updated and read every round between two target
         # passes, where each numpy call costs more than the arithmetic (and main-thread CPU slows the
         # next multi-threaded pass, bench/auto_idle.py)
-        self.prior = np.maximum.accumulate(prior).tolist()
-        self.mean = [0.0] * len(prior)
+        self.reprice(prior)
+        self.ratio = [1.0] * len(prior)
         self.count = [0] * len(prior)
+
+    def reprice(self, prior: np.ndarray) -> None:
+        """The profile's curve at a new depth."""
+        self.prior = np.maximum.accumulate(prior).tolist()
 
     def observe(self, n_rows: int, seconds: float) -> None:
         i = n_rows - 1
-        self.mean[i] = seconds if self.count[i] == 0 else self.mean[i] + self.ALPHA * (seconds - self.mean[i])
+        ratio = seconds / self.prior[i]
+        self.ratio[i] = ratio if self.count[i] == 0 else self.ratio[i] + self.ALPHA * (ratio - self.ratio[i])
         self.count[i] += 1
 
     def curve(self) -> np.ndarray:
         seen = [c >= self.MIN_SAMPLES for c in self.count]
-        ratios = [m / p for m, p, s in zip(self.mean, self.prior, seen) if s]
+        ratios = [r for r, s in zip(self.ratio, seen) if s]
         scale = statistics.median(ratios) if ratios else 1.0
-        return np.maximum.accumulate([m if s else p * scale for m, p, s in zip(self.mean, self.prior, seen)])
+        return np.maximum.accumulate([p * (r if s else scale) for r, p, s in zip(self.ratio, self.prior, seen)])
 
 
 class AdaptivePolicy:
@@ -395,9 +406,11 @@ class AdaptivePolicy:
         self.max_branches = max_branches  # sequences the target can verify at once (1 = chains only)
         self.estimates = {d.name: AcceptanceEstimate(self.k_max) for d in self.drafters}
         self.by_evidence: dict[tuple[str, int], EvidenceEstimate] = {}  # (drafter, Draft.evidence) -> its own rates
-        # verify(n) for n = 1 .. k_max + 1, read every round: the profile's, corrected by the passes
-        # this generation times (OnlineCosts), computed once per change rather than per round.
-        self.costs = OnlineCosts(np.array([profile.verify(n) for n in range(1, self.k_max + 2)]))
+        # verify(n) for n = 1 .. k_max + 1, read every round: the profile's at the KV depth reached
+        # (re-priced every DEPTH_STEP tokens), corrected by the passes this generation times
+        # (OnlineCosts), computed once per change rather than per round.
+        self.held = CONTEXT_TOKENS
+        self.costs = OnlineCosts(self._profile_curve())
         self._verify = self.costs.curve()
         # confidence -> acceptance, shared by the drafters that state a confidence (spec.confident: suffix)
         self.calibration = ConfidenceCalibration()
@@ -439,12 +452,24 @@ class AdaptivePolicy:
         it first pays, so a generation that ends up with lookup or nothing starts as fast as plain."""
         return []
 
+    def _profile_curve(self) -> np.ndarray:
+        return np.array([self.profile.verify(n, self.held) for n in range(1, self.k_max + 2)])
+
+    def _reach(self, held: int) -> None:
+        """Price passes over the `held` tokens this round's pass follows, where the profile says depth
+        matters (a pass's attention grows with them) and they moved DEPTH_STEP tokens since last priced."""
+        if self.profile.deep_tokens and abs(held - self.held) >= DEPTH_STEP:
+            self.held = held
+            self.costs.reprice(self._profile_curve())
+            self._verify = self.costs.curve()
+
     def _pass(self, n: int) -> float:
         """What n rows of this request (after its forced ones) add to the target pass:
         verify(R + f + n) - verify(R)."""
         r = self.rows_besides
         n += self._forced
-        return self.profile.verify(r + n) - self.profile.verify(r) if r else self.profile.verify(n)
+        verify = self.profile.verify
+        return verify(r + n, self.held) - verify(r, self.held) if r else verify(n, self.held)
 
     def plain_speed(self) -> float:
         return (1.0 + self._forced) / self._verify_costs(0)[0]
@@ -503,6 +528,7 @@ class AdaptivePolicy:
         return seconds
 
     def choose(self, state: "SpeculativeState") -> Choice:
+        self._reach(state.n)
         k_cap = min(self.k_max, state.remaining - 1)
         self._forced = state.forced
         plain = Choice(None, 0, predicted_speed=self.plain_speed())

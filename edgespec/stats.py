@@ -43,10 +43,13 @@ class GenerationStats:
     chosen: dict[str, int] = field(default_factory=dict)  # "drafter:k" -> rounds
     passes_by_rows: dict[int, int] = field(default_factory=dict)  # rows a pass fed (forced + drafted + 1) ->
     #                                   passes: with a cost curve it prices the run free of timing noise
+    held_by_rows: dict[int, int] = field(default_factory=dict)    # rows -> the tokens those passes followed,
+    #                                   summed: a pass's price grows linearly with them (CostProfile.verify)
 
     def record_round(self, drafter: str, n_drafted: int, n_accepted: int, *, forced: int = 0,
-                     forced_accepted: int = 0) -> None:
-        """One pass: a drafter's n_drafted tokens after `forced` ones, n_accepted of its own accepted."""
+                     forced_accepted: int = 0, held: int = 0) -> None:
+        """One pass: a drafter's n_drafted tokens after `forced` ones, n_accepted of its own accepted,
+        following `held` committed tokens."""
         self.forced += forced
         self.forced_accepted += forced_accepted
         self.rounds += 1
@@ -56,6 +59,7 @@ class GenerationStats:
         self.chosen[key] = self.chosen.get(key, 0) + 1
         rows = forced + n_drafted + 1
         self.passes_by_rows[rows] = self.passes_by_rows.get(rows, 0) + 1
+        self.held_by_rows[rows] = self.held_by_rows.get(rows, 0) + held
         if n_drafted > len(self.drafted_at):
             grow = n_drafted - len(self.drafted_at)
             self.drafted_at = np.concatenate([self.drafted_at, np.zeros(grow, dtype=np.int64)])
@@ -105,6 +109,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "chosen": dict(self.chosen),
             "passes_by_rows": {str(n): c for n, c in sorted(self.passes_by_rows.items())},
+            "held_by_rows": {str(n): c for n, c in sorted(self.held_by_rows.items())},
             "seed": self.seed,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "peak_rss_bytes": self.peak_rss_bytes,

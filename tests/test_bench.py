@@ -245,10 +245,12 @@ def test_the_geometric_mean_interval_resamples_prompts_within_their_class():
     assert geomean_interval([1.2, 1.2, 0.9, 0.9]).low < strata.low
 
 
-def _profile():
-    # CPU-like: each extra row costs 0.4 of a step; the draft model 0.3 of one; asks nearly free
+def _profile(deep: bool = False):
+    # CPU-like: each extra row costs 0.4 of a step; the draft model 0.3 of one; asks nearly free.
+    # deep: over 512 held tokens a step costs 1.5 times as much and each extra row 0.8 of one
+    deep_curve = {n: 15 * MS * (1 + 0.8 * (n - 1)) for n in (1, 2, 4, 8, 17)} if deep else {}
     return CostProfile({n: 10 * MS * (1 + 0.4 * (n - 1)) for n in range(1, 18)}, draft_s=3 * MS,
-                       lookup_s=0.01 * MS, suffix_s=0.02 * MS)
+                       lookup_s=0.01 * MS, suffix_s=0.02 * MS, verify_deep_s=deep_curve, deep_tokens=512 if deep else 0)
 
 
 def test_a_run_is_priced_by_its_passes_and_drafting():
@@ -268,31 +270,52 @@ def test_a_run_is_priced_by_its_passes_and_drafting():
     assert pricing.run_seconds(plain) == pytest.approx(5 * p.verify(1))
 
 
+def test_a_run_is_priced_at_the_depth_of_each_pass():
+    """Passes over a long prompt cost more (a pass's attention grows with the tokens held): each is
+    priced at its own depth, from the stats' sum of depths per pass size."""
+    deep = _profile(deep=True)
+    pricing = orc.Pricing(deep, ())
+    stats = GenerationStats(mode="ar")
+    for held in (100, 700, 1500):
+        stats.record_round("none", 0, 0, held=held)
+    stats.record_round("lookup", 3, 0, held=900)
+    assert stats.held_by_rows == {1: 2300, 4: 900}
+    expected = sum(deep.verify(1, held) for held in (100, 700, 1500)) + deep.verify(4, 900)
+    assert pricing.run_seconds(stats) == pytest.approx(expected)
+    assert deep.verify(4, 900) > _profile().verify(4, 900) == _profile().verify(4)  # depth-free: the same anywhere
+
+
 def _brute_force(h, pricing, k_max):
-    """Every sequence of choices, by recursion: the cheapest time to emit the whole text."""
+    """Every sequence of choices, by recursion: the cheapest time to emit the whole text, each pass
+    priced after the n_prompt + j tokens it follows."""
     n = len(h.text)
 
     def best(j):
         if j >= n:
             return 0.0
-        options = [pricing.verify(1) + best(j + 1)]
+        held = h.n_prompt + j
+        options = [pricing.verify(1, held) + best(j + 1)]
         for d, acc in h.accepted.items():
             for k in range(1, k_max + 1):
-                options.append(pricing.verify(k + 1) + pricing.draft(d, k) + best(j + min(min(k, int(acc[j])) + 1, n - j)))
+                options.append(pricing.verify(k + 1, held) + pricing.draft(d, k)
+                               + best(j + min(min(k, int(acc[j])) + 1, n - j)))
         return min(options)
 
     return best(0)
 
 
-def test_the_oracle_is_the_cheapest_path_over_positions():
-    pricing = orc.Pricing(_profile(), ("lookup",))
+@pytest.mark.parametrize("deep", [False, True], ids=["depth-free", "priced-by-depth"])
+def test_the_oracle_is_the_cheapest_path_over_positions(deep):
+    pricing = orc.Pricing(_profile(deep), ("lookup",))
     rng = np.random.default_rng(0)
     for trial in range(20):
         n = int(rng.integers(3, 9))
-        h = orc.Hindsight(np.arange(n), {"lookup": rng.integers(0, 5, size=n), "draft": rng.integers(0, 4, size=n)})
+        h = orc.Hindsight(np.arange(n), {"lookup": rng.integers(0, 5, size=n), "draft": rng.integers(0, 4, size=n)},
+                          n_prompt=int(rng.integers(0, 2000)))
         best = orc.oracle(h, pricing, k_max=4)
         assert best.seconds == pytest.approx(_brute_force(h, pricing, 4))
-        assert best.plain_seconds == pytest.approx(n * pricing.verify(1)) and best.speedup >= 1.0
+        plain = sum(pricing.verify(1, h.n_prompt + j) for j in range(n))
+        assert best.plain_seconds == pytest.approx(plain) and best.speedup >= 1.0
         walked = sum(best.choices.values())
         assert 1 <= walked <= n
     nothing = orc.Hindsight(np.arange(5), {"lookup": np.zeros(5, dtype=np.int64)})
@@ -365,9 +388,11 @@ def test_the_policy_replay_makes_the_rounds_a_real_auto_run_made(smollm2_path):
     from edgespec.policy import AdaptivePolicy
 
     engine = Engine.load(smollm2_path, n_ctx=2048, n_threads=1)  # lookup and suffix: no draft model
-    # a profile without a key is never corrected by the run's own timings, so both sides price alike
+    # a profile without a key is never corrected by the run's own timings, so both sides price alike;
+    # passes dearer over more held tokens (the grounded prompt holds ~490), so both re-price by depth
     engine._profile = profile = CostProfile({1: 10 * MS, 2: 12 * MS, 4: 14 * MS, 8: 20 * MS, 17: 40 * MS},
-                                            None, None, 0.01 * MS, suffix_s=0.02 * MS)
+                                            None, None, 0.01 * MS, suffix_s=0.02 * MS, deep_tokens=512,
+                                            verify_deep_s={1: 15 * MS, 2: 19 * MS, 4: 24 * MS, 8: 36 * MS, 17: 80 * MS})
     [item] = [i for i in shipped_items(1) if i.category == "grounded"]
     prompt = engine.prompt_tokens(item.messages)
     fresh = build_drafters(DraftSources(history=SuffixHistory(key=engine.history.key)))  # what the run started with
@@ -380,7 +405,7 @@ def test_the_policy_replay_makes_the_rounds_a_real_auto_run_made(smollm2_path):
     pricing = orc.Pricing(profile, ("lookup", "suffix"))
     policy = AdaptivePolicy(profile, *fresh.values(), k_max=k_max)
     seconds, chosen, _ = replay(policy, np.asarray(prompt, dtype=np.int32), text, orc.Hindsight(text, {}), None, pricing)
-    assert chosen == result.stats.chosen
+    assert chosen == result.stats.chosen and policy.held > 400  # priced at the prompt's depth, not 64
     assert seconds == pytest.approx(pricing.run_seconds(result.stats), rel=1e-12)
 
 

@@ -11,7 +11,7 @@ from conftest import load_runtime
 from edgespec.drafters import PromptLookupDrafter
 from edgespec.engine import Engine, GenerationConfig
 from edgespec.policy import AdaptivePolicy
-from edgespec.machine.profile import CostProfile
+from edgespec.machine.profile import CONTEXT_TOKENS, DEEP_CONTEXT_TOKENS, CostProfile
 from edgespec.sampling import Sampler, SamplingParams
 from lossless import compare_greedy
 
@@ -337,8 +337,76 @@ def test_auto_measures_a_cost_curve_from_plain_to_k_16(smollm2_path):
     with Engine(load_runtime(smollm2_path)) as engine:
         result = engine.generate("Write a limerick.", max_tokens=16, temperature=0, mode="auto")
         profile = engine.cost_profile()
+        n_prompt = len(engine.prompt_tokens("Write a limerick."))
     assert result.stats.mode == "auto" and set(profile.verify_s) >= {1, 2, 4, 8, 17}  # the curve spans k = 0 .. 16
     assert all(v > 0 for v in profile.verify_s.values())
+    # and again over a long prompt's KV, where the same passes cost more (SmolLM2's 17 rows: ~2x over 512)
+    assert profile.deep_tokens == DEEP_CONTEXT_TOKENS and set(profile.verify_deep_s) >= {1, 2, 4, 8, 17}
+    assert profile.verify_deep_s[17] > profile.verify_s[17]
+    # each pass's depth is in the stats: the tokens committed before it (the prompt's, then one more a pass)
+    assert sum(result.stats.held_by_rows.values()) >= n_prompt * result.stats.rounds
+
+
+def test_a_context_too_small_for_the_deep_curve_leaves_the_profile_depth_free(smollm2_path):
+    from edgespec.machine.profile import measure_target_costs
+
+    target = load_runtime(smollm2_path, n_ctx=512)
+    profile = measure_target_costs(target, repeats=1, budget_s=0.3)
+    target.close()
+    assert profile.deep_tokens == 0 and profile.verify_deep_s == {}
+    assert profile.verify(17, 2000) == profile.verify(17)
+
+
+def test_a_pass_is_priced_at_the_tokens_it_follows():
+    """Two measured depths price any depth linearly (attention grows with what the KV holds: a 17-row
+    SmolLM2 pass measured 140 / 289 / 469 / 827 ms over 64 / 512 / 1024 / 2048 tokens); more held never
+    costs less, and the deep curve survives the profile's cache format."""
+    profile = CostProfile({1: 10 * MS, 2: 14 * MS, 17: 75 * MS}, verify_deep_s={1: 15 * MS, 17: 150 * MS},
+                          deep_tokens=512)
+    assert profile.verify(17) == profile.verify(17, CONTEXT_TOKENS) == 75 * MS
+    assert profile.verify(17, 512) == pytest.approx(150 * MS)
+    assert profile.verify(17, (CONTEXT_TOKENS + 512) // 2) == pytest.approx(112.5 * MS)
+    assert profile.verify(1, 960) == pytest.approx(20 * MS)  # extrapolated past the deep curve
+    assert profile.verify(9, 512) == pytest.approx(82.5 * MS)  # each curve interpolated over rows first
+    assert CostProfile.from_dict(profile.to_dict()) == profile
+    cheaper_deep = CostProfile({1: 10 * MS}, verify_deep_s={1: 9 * MS}, deep_tokens=512)
+    assert cheaper_deep.verify(1, 2000) == 10 * MS  # noise in the deep timing never prices depth below zero
+
+
+def test_auto_stops_drafting_where_the_prompt_makes_passes_dear():
+    """The same acceptance pays over a short prompt and not over a long one: over 64 held tokens each
+    extra row costs 0.45 of a step, over 512 it costs 0.9 (SmolLM2 with flash attention measures about
+    this). A 1-token lookup draft accepted 60 % of the time: 1.6 tokens for 1.45 steps, then 1.9."""
+    shallow = {n: 10 * MS * (1 + 0.45 * (n - 1)) for n in (1, 2, 4, 8, 17)}
+    deep = {n: 10 * MS * (1 + 0.9 * (n - 1)) for n in (1, 2, 4, 8, 17)}
+    profile = CostProfile(shallow, lookup_s=0.001 * MS, verify_deep_s=deep, deep_tokens=512)
+    pattern = [5, 6, 7, 8, 9, 5, 6, 7]  # a repeat: lookup proposes
+    decisions = {}
+    for held in (CONTEXT_TOKENS, 600):
+        policy = AdaptivePolicy(profile, PromptLookupDrafter(), None, k_max=4)
+        policy.estimates["lookup"].assume(0.6)
+        context = list(range(1000, 1000 + held - len(pattern))) + pattern
+        decisions[held] = policy.choose(make_state(context))
+    assert decisions[CONTEXT_TOKENS].drafter is not None and decisions[CONTEXT_TOKENS].k == 1
+    assert decisions[600].drafter is None  # plain decoding: the pass's extra row costs what it brings
+
+
+def test_timings_a_generation_learnt_carry_over_as_its_depth_is_repriced():
+    """What the generation's own passes said about the profile (here: every pass 1.5x its price) is kept
+    as a ratio when the depth reached re-prices the curve, not dropped nor taken as seconds."""
+    from edgespec.policy import DEPTH_STEP, NO_DRAFT
+
+    profile = CostProfile({1: 10 * MS, 2: 14 * MS, 17: 75 * MS}, verify_deep_s={1: 15 * MS, 2: 24 * MS, 17: 150 * MS},
+                          deep_tokens=512, key={"measured": "here"})
+    policy = AdaptivePolicy(profile, PromptLookupDrafter(), None, k_max=4)
+    for _ in range(3):
+        policy.observe(NO_DRAFT, 0, 0, np.array([1]), pass_s=1.5 * profile.verify(1))
+    assert policy._verify[0] == pytest.approx(15 * MS)
+    policy.choose(make_state(list(range(CONTEXT_TOKENS + DEPTH_STEP - 1))))  # moved too little: not re-priced
+    assert policy._verify[0] == pytest.approx(15 * MS)
+    policy.choose(make_state(list(range(512))))
+    assert policy._verify[0] == pytest.approx(1.5 * 15 * MS)
+    assert policy._verify[1] == pytest.approx(1.5 * 24 * MS)  # unseen sizes follow the seen ones' ratio
 
 
 def test_a_burst_of_load_while_profiling_stays_out_of_the_cached_curve(smollm2_path):

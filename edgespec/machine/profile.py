@@ -23,17 +23,25 @@ import numpy as np
 from edgespec import atomic
 from edgespec.runtimes.base import ModelIdentity, Runtime
 
-PROFILE_VERSION = 8  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
+PROFILE_VERSION = 9  # 3: sizes measured round-robin, coarse first; 4: the MTP head step (mtp_s);
                      # 5: a recurrent model's rollback (rollback_s); 6: target and draft costs cached apart;
                      # 7: every coarse size timed `repeats` times, bent curves re-timed (6's could be one run);
-                     # 8: the rollback timed as the cut alone (7's could read 0 on a tiny model)
+                     # 8: the rollback timed as the cut alone (7's could read 0 on a tiny model);
+                     # 9: the coarse sizes timed again over DEEP_CONTEXT_TOKENS (verify_deep_s)
 BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)  # verify pass sizes measured (17: k = 16); others interpolate
 CONTEXT_TOKENS = 64                              # KV already held while timing, like a short prompt
+# The same passes over a long prompt's KV. A pass's attention grows linearly with the tokens held
+# (bench/DEPTH_CURVE_RESULTS.md: SmolLM2's 17-row pass 140 ms over 64, 289 over 512, 469 over 1024,
+# 827 over 2048, each step of it ~0.35 ms per 1000 held tokens), so two depths price any depth; with one,
+# a 490-token prompt's 17-row pass was priced at 7.5 steps where it takes 10.
+DEEP_CONTEXT_TOKENS = 512
 
 
 @dataclass
 class CostProfile:
-    """Seconds per operation. `verify_s[n]` is one target pass over n tokens."""
+    """Seconds per operation. `verify_s[n]` is one target pass over n tokens after CONTEXT_TOKENS held;
+    `verify_deep_s[n]` the same after `deep_tokens` (none measured: the pass's cost taken as the same at
+    any depth)."""
 
     verify_s: dict[int, float]
     draft_s: float | None = None        # one draft-model decode step (per drafted token)
@@ -45,17 +53,18 @@ class CostProfile:
                                         # models: restore a checkpoint and replay the accepted tokens)
     key: dict = field(default_factory=dict)
     measured_in_s: float = 0.0
+    verify_deep_s: dict[int, float] = field(default_factory=dict)
+    deep_tokens: int = 0                # the KV held while verify_deep_s was timed (0: not timed)
 
-    def verify(self, n: int) -> float:
-        """Target pass over n tokens, linearly interpolated (and extrapolated) from the measured sizes."""
-        sizes = sorted(self.verify_s)
-        if n in self.verify_s:
-            return self.verify_s[n]
-        if n > sizes[-1]:
-            a, b = sizes[-2], sizes[-1]
-            slope = (self.verify_s[b] - self.verify_s[a]) / (b - a)
-            return self.verify_s[b] + slope * (n - b)
-        return float(np.interp(n, sizes, [self.verify_s[s] for s in sizes]))
+    def verify(self, n: int, held: int = CONTEXT_TOKENS) -> float:
+        """Target pass over n tokens after `held` tokens in the KV cache: each measured depth's curve
+        linearly interpolated (and extrapolated) over n, then the two depths over `held` (a pass never
+        costs less for holding more)."""
+        shallow = _along(self.verify_s, n)
+        if not self.deep_tokens or held == CONTEXT_TOKENS:
+            return shallow
+        per_token = max(0.0, (_along(self.verify_deep_s, n) - shallow) / (self.deep_tokens - CONTEXT_TOKENS))
+        return shallow + per_token * (max(held, 0) - CONTEXT_TOKENS)
 
     @property
     def max_batch(self) -> int:
@@ -63,14 +72,30 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["verify_s"] = {str(k): v for k, v in self.verify_s.items()}
+        for curve in ("verify_s", "verify_deep_s"):
+            d[curve] = {str(k): v for k, v in d[curve].items()}
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
         d = dict(d)
-        d["verify_s"] = {int(k): float(v) for k, v in d["verify_s"].items()}
+        for curve in ("verify_s", "verify_deep_s"):
+            d[curve] = {int(k): float(v) for k, v in d.get(curve, {}).items()}
         return cls(**d)
+
+
+def _along(curve: dict[int, float], n: int) -> float:
+    """curve[n], linearly interpolated (and extrapolated) from its measured sizes."""
+    if n in curve:
+        return curve[n]
+    sizes = sorted(curve)
+    if n > sizes[-1]:
+        if len(sizes) == 1:
+            return curve[sizes[0]] * n / sizes[0]
+        a, b = sizes[-2], sizes[-1]
+        slope = (curve[b] - curve[a]) / (b - a)
+        return curve[b] + slope * (n - b)
+    return float(np.interp(n, sizes, [curve[s] for s in sizes]))
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -112,12 +137,12 @@ def measure_target_costs(target: Runtime, *, max_batch: int = 17, repeats: int =
     target.truncate(0)
     target.decode(context, 0)
 
-    def target_step(n: int):
+    def target_step(n: int, held: int = CONTEXT_TOKENS):
         batch = rng.integers(100, min(n_vocab, 30000), size=n).astype(np.int32)
 
         def step():
             target.decode(batch, n)
-            target.truncate(CONTEXT_TOKENS)
+            target.truncate(held)
         step()  # warm the kernels and buffers for this size
         return step
 
@@ -153,6 +178,18 @@ def measure_target_costs(target: Runtime, *, max_batch: int = 17, repeats: int =
 
     rollback_s = _rollback_cost(target, rng, n_vocab, repeats) if getattr(target, "recurrent", False) else 0.0
     mtp_s = _mtp_step_s(target, context, repeats)
+    # The curve's shape again over a long prompt's KV, round-robin like the above; a context too small
+    # to hold it leaves the profile depth-free (its prompts are short anyway).
+    verify_deep_s, deep = {}, DEEP_CONTEXT_TOKENS
+    if target.n_ctx >= deep + max(steps):
+        target.truncate(CONTEXT_TOKENS)
+        target.decode(rng.integers(100, min(n_vocab, 30000), size=deep - CONTEXT_TOKENS).astype(np.int32), 0)
+        deep_steps = {n: target_step(n, deep) for n in dict.fromkeys(coarse) if n in steps}
+        deep_times: dict[int, list[float]] = {n: [] for n in deep_steps}
+        for _ in range(repeats):
+            for n, step in deep_steps.items():
+                deep_times[n].append(_best_time(step, 1))
+        verify_deep_s = {n: min(ts) for n, ts in deep_times.items()}
     target.truncate(0)
 
     from edgespec.drafters import PromptLookupDrafter
@@ -168,7 +205,8 @@ def measure_target_costs(target: Runtime, *, max_batch: int = 17, repeats: int =
     suffix = SuffixDrafter(past)
     suffix_s = _best_time(lambda: suffix.propose(history, 16, sampler), 5)
     return CostProfile(verify_s, None, None, lookup_s, suffix_s, mtp_s=mtp_s, rollback_s=rollback_s,
-                       measured_in_s=time.perf_counter() - t_start)
+                       measured_in_s=time.perf_counter() - t_start, verify_deep_s=verify_deep_s,
+                       deep_tokens=deep if verify_deep_s else 0)
 
 
 DRAFT_FIELDS = ("draft_s", "draft_catchup_s")
