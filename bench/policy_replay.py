@@ -53,6 +53,7 @@ from edgespec.bench.stats_ci import LEVEL, geomean, geomean_interval
 from edgespec.drafters import DrafterKind, DraftSources
 from edgespec.drafters.suffix import SuffixHistory
 from edgespec.drafters.table import build_drafters, spec_for
+from edgespec.machine.profile import describe_curves
 from edgespec.policy import NO_DRAFT, AcceptanceRecord, AdaptivePolicy, ShadowScorer
 from edgespec.sampling import Sampler, SamplingParams
 from edgespec.state import SpeculativeState
@@ -319,7 +320,7 @@ def calibration(replayed: dict[str, Replayed], policy: str) -> list[dict]:
 def render(doc: dict) -> str:
     lines = ["# Policy replay: auto's choices on plain's greedy text, priced (no timing noise)", "",
              f"Command: `{doc['command']}`  ", f"Machine (whose cost profile prices it): {doc['machine']['cpu']}; "
-             f"profile: verify(n) " + ", ".join(f"{k}: {1e3 * v:.1f} ms" for k, v in doc['profile']['verify_s'].items())
+             f"profile: {describe_curves(doc['profile'])}"
              + (f"; draft {1e3 * doc['profile']['draft_s']:.1f} ms/token" if doc['profile'].get('draft_s') else ""), "",
              "Auto x plain and the oracle x plain are geometric means over prompts of priced speedups; share: "
              f"auto's gain as a fraction of the oracle's (goal {ORACLE_GOAL}). This is a model of a run, not a "

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from edgespec.bench.run import describe_machine, load_prompts, setups, smollm2_draft
 from edgespec.bench.stats_ci import LEVEL, Interval, geomean, geomean_interval, verdict
+from edgespec.machine.profile import describe_curves
 
 CLASSES = ("chat", "code", "grounded", "multi-turn", "structured")
 PLAIN = "edgespec ar"
@@ -601,8 +602,7 @@ def render(doc: dict) -> str:
                      f"{'yes' if g['met'] else '**no**'} |")
     lines += ["", "Cost profile (seconds per target pass of n rows, per draft-model token, per model-free ask):", ""]
     for setup, profile in doc.get("profiles", {}).items():
-        curve = ", ".join(f"{n}: {float(v) * 1000:.2f} ms" for n, v in profile["verify_s"].items())
-        lines.append(f"- {setup}: verify {curve}; draft {_f((profile.get('draft_s') or 0) * 1000, 2)} ms; lookup "
+        lines.append(f"- {setup}: {describe_curves(profile)}; draft {_f((profile.get('draft_s') or 0) * 1000, 2)} ms; lookup "
                      f"{_f(profile.get('lookup_s', 0) * 1e6, 0)} us; suffix {_f(profile.get('suffix_s', 0) * 1e6, 0)} us")
     return "\n".join(lines) + "\n"
 

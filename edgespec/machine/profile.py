@@ -84,6 +84,14 @@ class CostProfile:
         return cls(**d)
 
 
+def describe_curves(d: dict) -> str:
+    """A profile's passes (CostProfile.to_dict's) in one line: over CONTEXT_TOKENS, and the deep depth's."""
+    def curve(c: dict) -> str:
+        return ", ".join(f"{n}: {1e3 * float(v):.1f} ms" for n, v in sorted(c.items(), key=lambda kv: int(kv[0])))
+    deep = f"; over {d['deep_tokens']}: {curve(d['verify_deep_s'])}" if d.get("deep_tokens") else ""
+    return f"verify(n) over {CONTEXT_TOKENS} held tokens: {curve(d['verify_s'])}{deep}"
+
+
 def _along(curve: dict[int, float], n: int) -> float:
     """curve[n], linearly interpolated (and extrapolated) from its measured sizes."""
     if n in curve:
