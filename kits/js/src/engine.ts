@@ -230,7 +230,7 @@ export class Engine {
 
   /** Commit the accepted tokens, applying end-of-generation and length stops. Returns what was added. */
   private acceptStep(s: State, draft: Draft, nAccepted: number, token: number, drafterName: string): Int32Array {
-    s.stats.recordRound(drafterName, draft.tokens.length, nAccepted);
+    s.stats.recordRound(drafterName, draft.tokens.length, nAccepted, s.n);
     let added = new Int32Array(nAccepted + 1);
     added.set(draft.tokens.subarray(0, nAccepted));
     added[nAccepted] = token;

@@ -22,10 +22,11 @@ export class GenerationStats {
   acceptedAt: number[] = [];
   chosen: Record<string, number> = {}; // "drafter:k" -> rounds
   passesByRows: Record<string, number> = {}; // rows a pass fed (drafted + 1) -> passes (prices a run by a cost curve)
+  heldByRows: Record<string, number> = {}; // rows -> the tokens those passes followed, summed (their price grows with them)
 
   constructor(readonly mode: string, readonly seed: number) {}
 
-  recordRound(drafter: string, nDrafted: number, nAccepted: number): void {
+  recordRound(drafter: string, nDrafted: number, nAccepted: number, held = 0): void {
     this.rounds += 1;
     this.drafted += nDrafted;
     this.accepted += nAccepted;
@@ -33,6 +34,7 @@ export class GenerationStats {
     this.chosen[key] = (this.chosen[key] ?? 0) + 1;
     const rows = String(nDrafted + 1);
     this.passesByRows[rows] = (this.passesByRows[rows] ?? 0) + 1;
+    this.heldByRows[rows] = (this.heldByRows[rows] ?? 0) + held;
     while (this.draftedAt.length < nDrafted) {
       this.draftedAt.push(0);
       this.acceptedAt.push(0);
@@ -84,6 +86,7 @@ export class GenerationStats {
       tokens_per_s: r(this.tokensPerS, 3),
       chosen: { ...this.chosen },
       passes_by_rows: { ...this.passesByRows },
+      held_by_rows: { ...this.heldByRows },
       seed: this.seed,
       predicted_peak_bytes: null,
       peak_rss_bytes: null,
