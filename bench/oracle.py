@@ -8,9 +8,8 @@ tokens each drafter drafted (`chosen`). Priced by the cost profile auto itself u
     sum over passes verify(rows, held) + draft-model tokens x draft_s + asks of model-free drafters x ask_s
 
 seconds (held: the tokens a pass followed, `held_by_rows`), with no timing noise in it: two runs that
-made the same passes cost the same. Auto asks
-every model-free drafter every round (edgespec.policy.ShadowScorer); a fixed lookup or suffix mode
-asks its drafter once a round. The draft model's prefill and catch-up decodes, and tree passes
+made the same passes cost the same. Auto asks every model-free drafter every round
+(edgespec.policy.ShadowScorer); a fixed lookup or suffix mode asks its drafter once a round. The draft model's prefill and catch-up decodes, and tree passes
 beyond their row count, are not priced (on either side of a comparison).
 
 The oracle (greedy runs). After a run every drafter's acceptance is known at every position of the
