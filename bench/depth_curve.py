@@ -3,8 +3,8 @@
     python -m edgespec.bench.depth_curve [--models smollm2-135m:1,qwen2.5-coder-0.5b:2,qwen2.5-coder-1.5b:2]
         [--held 64,512,1024,2048] [--rows 1,2,4,8,12,17] [--repeats 7] [--out bench/DEPTH_CURVE_RESULTS.md]
 
-Why: auto's cost profile times passes over 64 held tokens (edgespec.machine.profile.CONTEXT_TOKENS),
-and a long prompt holds hundreds; this shows how far a pass of n rows, counted in single steps, moves
+Why: auto's cost profile times passes over 64 and 512 held tokens (edgespec.machine.profile's
+CONTEXT_TOKENS, DEEP_CONTEXT_TOKENS) and prices other depths linearly between them; this shows how far a pass of n rows, counted in single steps, moves
 with what the KV cache holds, and how llama.cpp's CPU flash attention changes that. Each point is the
 median of `repeats` timed decodes of n random tokens after `held` random tokens (the first dropped as a
 warm-up), the cache cut back after each.

@@ -199,14 +199,13 @@ def oracle(h: Hindsight, pricing: Pricing, k_max: int, drafters: Sequence[str] |
     plain_seconds = 0.0
     for j in range(n - 1, -1, -1):
         verify = [0.0] + [pricing.verify(r, h.n_prompt + j) for r in range(1, k_max + 2)]
-        cost = {d: [0.0] + [verify[k + 1] + draft[d][k] for k in range(1, k_max + 1)] for d in names}
         plain_seconds += verify[1]
         best[j], move[j] = verify[1] + best[j + 1], ("none", 0, 1)
         for d in names:
             a = int(h.accepted[d][j])
             for k in range(1, k_max + 1):
                 step = min(min(k, a) + 1, n - j)
-                c = cost[d][k] + best[j + step]
+                c = verify[k + 1] + draft[d][k] + best[j + step]
                 if c < best[j]:
                     best[j], move[j] = c, (d, k, step)
     choices: dict[str, int] = {}
