@@ -1,7 +1,7 @@
 """Auto against plain decoding on text it cannot draft (issue 23, item 6), A/B interleaved.
 
     python -m edgespec.bench.auto_idle [--target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b]
-        [--threads 2] [--max-tokens 96] [--repeats 5] [--interval 1.0] [--gap-ms 0.5,1,3] [--out FILE]
+        [--threads 2] [--max-tokens 96] [--repeats 5] [--interval 1.0] [--gap-ms 0.5,1,3] [--cold] [--out FILE]
 
 Every prompt runs auto and plain (`ar`) back to back on one engine, the order alternated per repeat,
 from an empty KV and an empty suffix history (a fresh process's), with a pause of --interval seconds
@@ -14,6 +14,11 @@ only the main thread's CPU between them changed (plain's round takes ~0.5 ms, au
 At one thread the pass does not care; at two threads it slowed by 10 % (1 ms) and 20 % (3 ms) on a
 shared 2-core machine, 55 % and 7x with a shorter libgomp spin (GOMP_SPINCOUNT=30000): the gap
 reaches the pass through the OpenMP worker, which spins and then sleeps between passes.
+
+--cold times the same kind of work as auto's rounds (a chain's predicted speeds in numpy and in a
+Python loop; the asks of prompt lookup and suffix drafting) back to back and after streaming as many
+bytes as the target's weights through the caches, as each target pass does: why auto's rounds cost
+2-3x between two passes what the policy replay times for them (`--prompts 0 --cold` runs it alone).
 """
 
 from __future__ import annotations
@@ -113,6 +118,58 @@ def gap_experiment(target: str, threads: int, gaps_ms: list[float], blocks: int 
                      "vs_first_gap": round(statistics.median(p) / base, 3), "n": len(p)} for g, p in passes.items()}
 
 
+def cold_experiment(engine, weights_bytes: int, repeats: int = 200) -> dict:
+    """Auto's kind of per-round work timed hot (back to back) and cold (after streaming `weights_bytes`
+    through the caches, as a target pass does), median microseconds: a short numpy computation (a
+    chain's predicted speeds over 17 rows, as auto computed them until session 22), the same in a
+    Python loop, and the asks of prompt lookup and suffix drafting on a growing real text."""
+    from edgespec.drafters.lookup import PromptLookupDrafter
+    from edgespec.drafters.suffix import SuffixDrafter, SuffixHistory
+
+    stream = np.ones(max(weights_bytes, 1 << 20) // 4, dtype=np.float32)
+    rates, costs = np.linspace(0.9, 0.1, 16), np.linspace(0.02, 0.12, 17)
+    rate_list, cost_list = rates.tolist(), costs.tolist()
+
+    def numpy_speeds():
+        e = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
+        cost = costs.copy()
+        cost[1:] += 1e-5
+        return int(np.argmax(e / cost))
+
+    def python_speeds():
+        speeds, reach, expected = [1.0 / cost_list[0]], 1.0, 0.0
+        for rate, cost in zip(rate_list, cost_list[1:]):
+            reach *= rate
+            expected += reach
+            speeds.append((1.0 + expected) / (cost + 1e-5))
+        return max(range(len(speeds)), key=speeds.__getitem__)
+
+    text = np.asarray(engine.target.tokenize(" ".join(PROMPTS * 8)), dtype=np.int32)
+    history = SuffixHistory()
+    history.add(text[: len(text) // 2])
+    lookup, suffix, at = PromptLookupDrafter(), SuffixDrafter(history), [len(text) // 2]
+
+    def asks():
+        at[0] = at[0] + 1 if at[0] + 1 < len(text) else len(text) // 2
+        context = text[:at[0]]
+        lookup.propose(context, 16, None)
+        suffix.propose(context, 16)
+
+    out = {}
+    for name, work in (("numpy_speeds", numpy_speeds), ("python_speeds", python_speeds), ("lookup_and_suffix_asks", asks)):
+        for label, flush in (("hot", False), ("cold", True)):
+            times = []
+            for _ in range(repeats):
+                if flush:
+                    stream.sum()
+                t = time.perf_counter()
+                work()
+                times.append(time.perf_counter() - t)
+            out[f"{name}_{label}_us"] = round(1e6 * statistics.median(times), 1)
+    out["streamed_bytes"] = stream.nbytes
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -123,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--interval", type=float, default=1.0, help="seconds of rest between runs")
     ap.add_argument("--gap-ms", default="", help="also run the gap experiment at these CPU gaps, e.g. 0.5,1,3")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time auto's kind of per-round work hot and after streaming the target's weights")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -137,6 +196,7 @@ def main(argv=None) -> int:
                 time.sleep(args.interval)
                 runs.append({"prompt": i, "repeat": rep, **one_run(engine, prompt, mode, args.max_tokens)})
                 print(json.dumps(runs[-1]), flush=True)
+    cold = cold_experiment(engine, Path(engine.target.path).stat().st_size) if args.cold else None
     engine.close()
 
     def per_prompt(key: str) -> list[float]:
@@ -157,6 +217,8 @@ def main(argv=None) -> int:
             lo, hi = bootstrap90(ratios)
             report[f"auto_over_plain_{key}"] = {"geomean": round(geomean(ratios), 4),
                                                 "interval90": [round(lo, 4), round(hi, 4)]}
+    if cold:
+        report["cold_experiment"] = cold
     if args.gap_ms:
         report["gap_experiment"] = gap_experiment(args.target, engine.target.n_threads,
                                                   [float(g) for g in args.gap_ms.split(",")])

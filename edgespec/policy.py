@@ -34,6 +34,7 @@ their rows in edgespec.drafters.table declare.
 from __future__ import annotations
 
 import statistics
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
 
@@ -143,7 +144,8 @@ class DecayedRates:
         value = self._derived.get(name)
         if value is None:
             value = self._derived[name] = compute()
-            value.flags.writeable = False
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
         return value
 
     def decay_step(self) -> None:
@@ -384,11 +386,11 @@ class OnlineCosts:
         self.ratio[i] = ratio if self.count[i] == 0 else self.ratio[i] + self.ALPHA * (ratio - self.ratio[i])
         self.count[i] += 1
 
-    def curve(self) -> np.ndarray:
+    def curve(self) -> list[float]:
         seen = [c >= self.MIN_SAMPLES for c in self.count]
         ratios = [r for r, s in zip(self.ratio, seen) if s]
         scale = statistics.median(ratios) if ratios else 1.0
-        return np.maximum.accumulate([p * (r if s else scale) for r, p, s in zip(self.ratio, self.prior, seen)])
+        return list(accumulate((p * (r if s else scale) for r, p, s in zip(self.ratio, self.prior, seen)), max))
 
 
 class AdaptivePolicy:
@@ -421,7 +423,8 @@ class AdaptivePolicy:
         self._round_start = 0
         self.rows_besides = 0  # rows other requests add to the same target pass (parallel slots)
         self._forced = 0       # this round's grammar-forced rows, in the pass whatever is chosen
-        self._prefill_s: dict[tuple[int, float], float] = {}  # draft_prefill_s, asked every round for a few n
+        self._max_batch = profile.max_batch
+        self._batch_s: dict[int, tuple[float, float]] = {}  # b -> verify(b), b * verify(1): draft_prefill_s's
 
     @property
     def drafters(self) -> list[Drafter]:
@@ -474,28 +477,39 @@ class AdaptivePolicy:
     def plain_speed(self) -> float:
         return (1.0 + self._forced) / self._verify_costs(0)[0]
 
-    def _verify_costs(self, k: int) -> np.ndarray:
+    def _verify_costs(self, k: int) -> list[float]:
         """The pass's cost of n = 1 .. k + 1 rows of this request: verify(n) alone (computed once), the
         marginal verify(R + n) - verify(R) beside R rows of other requests."""
         costs = self._verify[:k + 1] if not self.rows_besides and not self._forced else \
-            np.array([self._pass(n) for n in range(1, k + 2)])
+            [self._pass(n) for n in range(1, k + 2)]
         # a recurrent model pays its rollback on every drafting round (priced as if a draft is rejected)
-        return costs + self.profile.rollback_s * (np.arange(k + 1) > 0) if self.profile.rollback_s else costs
+        rollback = self.profile.rollback_s
+        return [c + rollback * (i > 0) for i, c in enumerate(costs)] if rollback else costs
 
-    def chain_speeds(self, rates: np.ndarray, ask_s: float) -> np.ndarray:
+    # The speeds below are Python floats, not arrays: they are computed every round between two target
+    # passes, whose weights have just streamed through the caches. There a chain's speeds took 85 us in
+    # numpy and 33 us in a Python loop (2 and 6 us back to back; bench/auto_idle.py --cold, SmolLM2 on
+    # the Xeon), and auto's own work between passes cost ~0.4 ms a round, 2 % of a SmolLM2 step, on
+    # chat, where it drafts almost nothing.
+
+    def chain_speeds(self, rates: Sequence[float], ask_s: float) -> list[float]:
         """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""
-        e = 1.0 + self._forced + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
-        cost = self._verify_costs(len(rates)).copy()
-        cost[1:] += ask_s
-        return e / cost
+        costs = self._verify_costs(len(rates))
+        base = 1.0 + self._forced
+        speeds, reach, expected = [(base + 0.0) / costs[0]], 1.0, 0.0
+        for rate, cost in zip(_floats(rates), costs[1:]):
+            reach *= rate
+            expected += reach
+            speeds.append((base + expected) / (cost + ask_s))
+        return speeds
 
-    def copy_speeds(self, name: str, available: int) -> np.ndarray:
+    def copy_speeds(self, name: str, available: int) -> list[float]:
         """Predicted tokens/s of a chain of k = 0 .. available tokens from model-free drafter `name`,
         by its acceptance estimate (not its stated confidence)."""
         return self.chain_speeds(self.estimates[name].rates[:available], self.specs[name].ask_s(self.profile))
 
     def model_speeds(self, name: str, k_cap: int, unseen: int = 0, remaining: int = 1 << 30,
-                     generated: int = 0) -> np.ndarray:
+                     generated: int = 0) -> list[float]:
         """Predicted tokens/s of a chain of k = 0 .. k_cap tokens from draft model `name`. `unseen`
         tokens the draft must catch up on first cost a prefill: the prompt's (its first use) is spread
         over the rounds left to pay it back, as it is paid once; the tokens generated since its last use
@@ -503,29 +517,33 @@ class AdaptivePolicy:
         to the draft model after other drafters (spread, they were priced ~100x low: Qwen2.5-Coder-0.5B
         caught up 13 tokens in 145 ms where the round was charged ~1 ms)."""
         est = self.estimates[name]
-        e = est.expected_emitted()[: k_cap + 1] + self._forced
+        forced = self._forced
+        e = [x + forced for x in est.derived("emitted_list", lambda: est.expected_emitted().tolist())[: k_cap + 1]]
         spec = self.specs[name]
         step_s = spec.step_s(self.profile) or 0.0
-        extra = (spec.catchup_s(self.profile) or 0.0) - step_s
-        cost = self._verify_costs(k_cap) + np.arange(k_cap + 1) * step_s + est.all_pass()[: k_cap + 1] * max(extra, 0.0)
+        extra = max((spec.catchup_s(self.profile) or 0.0) - step_s, 0.0)
+        all_pass = est.derived("all_pass_list", lambda: est.all_pass().tolist())
+        cost = [v + i * step_s + a * extra for i, (v, a) in enumerate(zip(self._verify_costs(k_cap), all_pass))]
         backlog = min(unseen, generated)
         prompt = unseen - backlog
         if prompt > 1:
-            cost[1:] += self.draft_prefill_s(prompt, step_s) * e[1:] / max(remaining, 1)
+            spread = self.draft_prefill_s(prompt, step_s)
+            cost[1:] = [c + spread * x / max(remaining, 1) for c, x in zip(cost[1:], e[1:])]
         if backlog > 2:  # two are the usual catch-up after a round, priced above (step_s, extra)
-            cost[1:] += self.draft_prefill_s(backlog - 2, step_s)
-        return e / cost
+            catchup = self.draft_prefill_s(backlog - 2, step_s)
+            cost[1:] = [c + catchup for c in cost[1:]]
+        return [x / c for x, c in zip(e, cost)]
 
     def draft_prefill_s(self, n: int, step_s: float | None = None) -> float:
         """The draft model's prefill of n tokens, from its step cost (`step_s`, the draft model's by
         default) and the target's batching efficiency at that batch size (a batch of B costs verify(B)
         where B single steps cost B * verify(1))."""
         step_s = (self.profile.draft_s or 0.0) if step_s is None else step_s
-        seconds = self._prefill_s.get((n, step_s))
-        if seconds is None:
-            b = min(max(n, 1), self.profile.max_batch)
-            seconds = self._prefill_s[n, step_s] = n * step_s * self.profile.verify(b) / (b * self.profile.verify(1))
-        return seconds
+        b = min(max(n, 1), self._max_batch)
+        batch = self._batch_s.get(b)
+        if batch is None:  # asked every round for a backlog that grows, at most max_batch sizes
+            batch = self._batch_s[b] = (self.profile.verify(b), b * self.profile.verify(1))
+        return n * step_s * batch[0] / batch[1]
 
     def choose(self, state: "SpeculativeState") -> Choice:
         self._reach(state.n)
@@ -546,13 +564,13 @@ class AdaptivePolicy:
         proposals = [(drafter, proposal) for drafter, proposal in proposals if len(proposal)]
         for (drafter, proposal), rates in zip(proposals, self.rate_proposals(proposals, k_cap)):
             speeds = self.chain_speeds(rates, self.specs[drafter.name].ask_s(self.profile))
-            k = int(np.argmax(speeds))
+            k = _argmax(speeds)
             if k > 0 and speeds[k] > best.predicted_speed:
                 best = self._model_free_choice(drafter, proposal, k, float(speeds[k]))
         for drafter in self._models:
             speeds = self.model_speeds(drafter.name, k_cap, drafter.unseen(state.committed), state.remaining,
                                        state.n - state.n_prompt)
-            k = int(np.argmax(speeds))
+            k = _argmax(speeds)
             if k > 0 and speeds[k] > best.predicted_speed:
                 trees = self.max_branches > 1 and self.specs[drafter.name].trees
                 best = Choice(drafter, k, gate=self._gate(float(speeds[k]), self.specs[drafter.name].step_s(self.profile)),
@@ -644,6 +662,15 @@ class AdaptivePolicy:
                 self.estimates[name].record(first, n_passed, failed)
                 if draft.evidence:
                     self.by_evidence[name, draft.evidence].record(first, n_passed, failed)
+
+
+def _argmax(xs: list[float]) -> int:
+    """The first index of the largest, as np.argmax."""
+    return max(range(len(xs)), key=xs.__getitem__)
+
+
+def _floats(xs) -> list[float]:
+    return xs.tolist() if isinstance(xs, np.ndarray) else list(xs)
 
 
 def exclusive(chains: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:

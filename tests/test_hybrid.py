@@ -190,7 +190,7 @@ def test_the_profile_measures_rollback_and_auto_prices_it(models):
     assert costs["granitehybrid"].rollback_s > 0  # a restore and a replay pass (without logits)
     flat = CostProfile({n: 0.01 for n in range(1, 10)}, 0.001, 0.0012, 0.00005)
     priced = CostProfile(dict(flat.verify_s), 0.001, 0.0012, 0.00005, rollback_s=0.01)
-    plain, cheap = (AdaptivePolicy(p, k_max=4)._verify_costs(4) for p in (flat, priced))
+    plain, cheap = (np.asarray(AdaptivePolicy(p, k_max=4)._verify_costs(4)) for p in (flat, priced))
     assert plain[0] == cheap[0] and np.allclose(cheap[1:], plain[1:] + 0.01)
 
 

@@ -126,9 +126,9 @@ def test_auto_weighs_the_head_by_its_measured_step(mtp_model):
         assert profile.mtp_s and profile.mtp_s > 0 and profile.draft_s is None
         engine._profile = profile
         policy = AdaptivePolicy(profile, *engine.drafters.values(), k_max=3)
-        cheap = policy.model_speeds("mtp", 3)
+        cheap = np.asarray(policy.model_speeds("mtp", 3))
         profile.mtp_s *= 100
-        assert (policy.model_speeds("mtp", 3)[1:] < cheap[1:]).all()
+        assert (np.asarray(policy.model_speeds("mtp", 3))[1:] < cheap[1:]).all()
         profile.mtp_s /= 100
         engine.recorder = Recorder()
         result = engine.generate_tokens(PROMPTS[0], GenerationConfig(max_tokens=16, mode="auto", temperature=0.0))

@@ -100,6 +100,29 @@ def test_lookup_takes_the_longest_match_then_the_latest():
             assert list(got) == _lookup_by_definition(context, 6, ngram_max, ngram_min), (context, ngram_max)
 
 
+def test_lookup_asked_round_after_round_answers_as_if_asked_afresh():
+    """The drafter indexes only what is new since its last ask: one drafter asked as generations
+    grow (one or a few tokens a round), now of one, now of another (two requests, one longer than
+    the other, or sharing a head and then going on differently), answers every time exactly what the
+    definition gives."""
+    sampler = Sampler(SamplingParams(temperature=0), 0)
+    rng = np.random.default_rng(1)
+    lookup = PromptLookupDrafter()
+    asked = 0
+    for _ in range(40):
+        a = rng.integers(0, rng.integers(2, 8), size=rng.integers(1, 30))
+        b = np.concatenate([a[:rng.integers(0, len(a) + 1)], rng.integers(0, 6, size=rng.integers(1, 30))])
+        contexts = [a, b]
+        while min(map(len, contexts)) < 80:
+            i = int(rng.integers(0, 2))  # which request asks next
+            for _ in range(int(rng.integers(1, 4))):
+                context = contexts[i]
+                assert list(lookup.propose(context, 5, sampler).tokens) == _lookup_by_definition(context, 5, 4, 1)
+                asked += 1
+                contexts[i] = np.concatenate([context, rng.integers(0, 6, size=rng.integers(1, 4))])
+    assert asked > 1000
+
+
 def test_estimates_recompute_what_they_derive_when_they_change():
     """Auto reads each estimate's rates every round, computed once per change: every way an estimate
     changes shows in what it returns next, and the kept arrays cannot be written by a caller."""
