@@ -75,6 +75,68 @@ def test_runner_up_continuations_become_sibling_leaves():
     assert asked[0] == (1, round(1 / (3 + 1 / 2), 3), 1.0)
 
 
+def _suffix_by_definition(outputs, context, k, max_match=32, min_reach=0.1):
+    """Suffix drafting as defined: the longest suffix of the context's last max_match tokens found in
+    earlier outputs + context (ending before the context's last token); then, token by token, the
+    commonest continuation of its occurrences still matching (the latest among equals), with its share
+    of them and a pseudo-count of 1 / tokens matched as confidence, while the path's chance stays at
+    least min_reach. Returns (tokens, confidences)."""
+    from collections import Counter
+
+    corpus = [t for output in outputs for t in [*output, SEPARATOR]] + list(context)
+    pattern = list(context)[-max_match:]
+    length, ends = 0, []
+    for n in range(1, len(pattern) + 1):
+        found = [e for e in range(n - 1, len(corpus) - 1) if corpus[e - n + 1:e + 1] == pattern[-n:]]
+        if not found:
+            break
+        length, ends = n, found
+    tokens, confidences, reach, following = [], [], 1.0, [e + 1 for e in ends]
+    for i in range(k):
+        following = [f for f in following if f < len(corpus)]
+        nxt = [corpus[f] for f in following]
+        counts = Counter(t for t in nxt if t != SEPARATOR)
+        if not counts:
+            break
+        latest = {t: f for t, f in zip(nxt, following)}
+        best = max(counts, key=lambda t: (counts[t], latest[t]))
+        p = counts[best] / (len(nxt) + 1.0 / (length + i))
+        if reach * p < min_reach:
+            break
+        tokens.append(best)
+        confidences.append(p)
+        reach *= p
+        following = [f + 1 for f, t in zip(following, nxt) if t == best]
+    return tokens, confidences
+
+
+def test_the_walk_is_the_definition_on_many_small_histories():
+    """Exactly the definition, on random small-alphabet histories and contexts: a few occurrences
+    (counted in Python) and, with FEW_OCCURRENCES at 0, many (counted by numpy) alike."""
+    import edgespec.drafters.suffix as suffix
+
+    rng = np.random.default_rng(0)
+    for few in (suffix.FEW_OCCURRENCES, 0):
+        for _ in range(1500):
+            alphabet = int(rng.integers(2, 7))
+            outputs = [rng.integers(0, alphabet, size=int(rng.integers(2, 25))) for _ in range(int(rng.integers(0, 4)))]
+            context = rng.integers(0, alphabet, size=int(rng.integers(1, 35)))
+            k = int(rng.integers(1, 9))
+            # a threshold no product of these rational shares lands on: the walk multiplies in another
+            # order than the definition, and an exact tie (2/3 3/10 4/5 5/6 6/7 7/8 = 1/10) may go either way
+            min_reach = 0.1 + 1e-9
+            tokens, confidences = _suffix_by_definition(outputs, context, k, min_reach=min_reach)
+            original = suffix.FEW_OCCURRENCES
+            suffix.FEW_OCCURRENCES = few
+            try:
+                draft = SuffixDrafter(drafter_with(*outputs).history, min_reach=min_reach).propose(context, k)
+            finally:
+                suffix.FEW_OCCURRENCES = original
+            assert draft.tokens.tolist() == tokens, (outputs, context, k)
+            stated = [] if draft.confidence is None else draft.confidence.tolist()  # None: nothing drafted
+            assert stated == pytest.approx(confidences, rel=1e-12)
+
+
 def test_history_is_bounded_and_drops_the_oldest_output():
     history = SuffixHistory(limit=10)
     for start in (0, 100, 200):

@@ -20,10 +20,11 @@ context per proposal.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import struct
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from edgespec.sampling import Sampler
 
 DEFAULT_HISTORY_TOKENS = 1 << 16   # 256 KiB of int32 tokens
 MAX_MATCH = 32                     # longest suffix matched: longer ones add cost, not accuracy
+FEW_OCCURRENCES = 64               # continuations counted in Python lists, not arrays (SuffixDrafter.propose)
 SEPARATOR = -1                     # between stored outputs: no match or continuation crosses it
 FORMAT = "edgespec-suffix-history/1"
 _MAGIC = b"EDGESPEC-SUFFIX\n"
@@ -174,39 +176,44 @@ class SuffixDrafter:
             return EMPTY_DRAFT
         tokens, confidence, siblings = [], [], []
         reach = 1.0
-        following = ends + 1  # where each occurrence's continuation stands
+        # Where each occurrence's continuation stands, ascending: an array while there are many (a short
+        # match in a long history), a Python list once there are few, counted in a dict: auto asks every
+        # round, with the caches a target pass leaves, where each of the dozen numpy calls np.unique and
+        # a lexsort make costs ~15x what it does back to back (bench/auto_idle.py --cold).
+        following = ends + 1
         for i in range(k):
-            following = following[following < len(corpus)]
-            if not len(following):  # every occurrence's continuation ran into the context's end
+            if len(following) and following[-1] >= len(corpus):  # ran into the context's end (only the last can)
+                following = following[:-1]
+            if not len(following):
                 break
             if len(following) == 1 and branch is None:  # one occurrence left: the rest is a plain copy
                 return self._copy_rest(corpus, int(following[0]), k - i, matched + i, tokens, confidence, reach, gate)
+            if len(following) <= FEW_OCCURRENCES and not isinstance(following, list):
+                following = following.tolist()
             nxt = corpus[following]
-            if nxt[0] != SEPARATOR and (nxt == nxt[0]).all():  # all agree (a repeat): no counting needed
-                values, counts, order = nxt[:1], np.array([len(nxt)]), np.array([0])
-            else:
-                live = nxt != SEPARATOR
-                if not live.any():
-                    break
-                values, counts = np.unique(nxt[live], return_counts=True)
-                order = np.lexsort((-self._latest(values, nxt, following), -counts))  # most frequent, then latest
-            best = int(values[order[0]])
+            ranked = self._ranked(nxt, following)
+            if not ranked:
+                break
+            (best, n_best), second = ranked[0], ranked[1] if len(ranked) > 1 else None
             # The share of occurrences that go on this way, with a pseudo-count for "something else"
             # that shrinks as the matched context grows: one occurrence after a 1-token match is
             # weak evidence, one after 16 matching tokens is strong.
             total = len(nxt) + 1.0 / (matched + i)
-            p = float(counts[order[0]]) / total
+            p = n_best / total
             if reach * p < self.min_reach:
                 break
-            if branch is not None and len(order) > 1:
-                if branch(len(tokens) + 1 + len(siblings), float(counts[order[1]]) / total, reach):
-                    siblings.append((i, int(values[order[1]])))
+            if branch is not None and second is not None:
+                if branch(len(tokens) + 1 + len(siblings), second[1] / total, reach):
+                    siblings.append((i, second[0]))
             tokens.append(best)
             confidence.append(p)
             reach *= p
             if gate is not None and i + 1 < k and not gate(i + 1, p, reach):
                 break
-            following = following[nxt == best] + 1
+            if isinstance(following, list):
+                following = [at + 1 for at, token in zip(following, nxt.tolist()) if token == best]
+            else:
+                following = following[nxt == best] + 1
         chain = np.asarray(tokens, dtype=np.int32)
         if siblings:
             return with_siblings(chain, siblings)
@@ -229,6 +236,24 @@ class SuffixDrafter:
                      confidence=np.concatenate([confidence, p[:keep]]))
 
     @staticmethod
+    def _ranked(nxt: np.ndarray, following) -> list[tuple[int, int]]:
+        """The two commonest tokens of `nxt` but SEPARATOR, with their counts, the commonest first and
+        the latest (where it follows at the largest position of `following`, ascending) among equals."""
+        if isinstance(following, list):  # few: a count in dicts
+            listed = nxt.tolist()
+            counts = Counter(listed)
+            counts.pop(SEPARATOR, None)
+            latest = dict(zip(listed, following))
+            top = heapq.nlargest(2, counts, key=lambda t: (counts[t], latest[t]))
+            return [(t, counts[t]) for t in top]
+        live = nxt != SEPARATOR
+        values, counts = np.unique(nxt[live], return_counts=True)
+        latest = np.full(len(values), -1, dtype=np.int64)
+        np.maximum.at(latest, np.searchsorted(values, nxt[live]), following[live])
+        order = np.lexsort((-latest, -counts))[:2]
+        return list(zip(values[order].tolist(), counts[order].tolist()))
+
+    @staticmethod
     def _longest_match(corpus: np.ndarray, pattern: np.ndarray) -> tuple[np.ndarray, int]:
         """End positions of the longest suffix of `pattern` found in corpus[:-1] (so each has a
         continuation), and its length, extending candidate matches leftward one token at a time
@@ -247,13 +272,6 @@ class SuffixDrafter:
             left = corpus[end + 1 - span:end + 1][::-1] == pattern[::-1][:span]
             matched = span if left.all() else int(np.argmin(left))
         return ends, matched
-
-    @staticmethod
-    def _latest(values: np.ndarray, nxt: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """For each candidate token, the last position it follows at (recency breaks count ties)."""
-        latest = np.full(len(values), -1, dtype=np.int64)
-        np.maximum.at(latest, np.searchsorted(values, nxt[nxt != SEPARATOR]), positions[nxt != SEPARATOR])
-        return latest
 
 
 SUFFIX = DrafterSpec(
