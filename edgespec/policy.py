@@ -34,8 +34,8 @@ their rows in edgespec.drafters.table declare.
 from __future__ import annotations
 
 import statistics
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
 
 import numpy as np
@@ -487,16 +487,16 @@ class AdaptivePolicy:
         return [c + rollback * (i > 0) for i, c in enumerate(costs)] if rollback else costs
 
     # The speeds below are Python floats, not arrays: they are computed every round between two target
-    # passes, whose weights have just streamed through the caches. There a chain's speeds took 85 us in
-    # numpy and 33 us in a Python loop (2 and 6 us back to back; bench/auto_idle.py --cold, SmolLM2 on
-    # the Xeon), and auto's own work between passes cost ~0.4 ms a round, 2 % of a SmolLM2 step, on
+    # passes, whose weights have just streamed through the caches. There a chain's speeds took 87 us in
+    # numpy and 35 us in a Python loop (6 and 2 us back to back; bench/auto_idle.py --cold, SmolLM2 on
+    # the Xeon), and auto's own work between passes, ~0.4 ms a round, was 2 % of a SmolLM2 step on
     # chat, where it drafts almost nothing.
 
     def chain_speeds(self, rates: Sequence[float], ask_s: float) -> list[float]:
         """Predicted tokens/s of a model-free chain of k = 0 .. len(rates) tokens."""
         costs = self._verify_costs(len(rates))
         base = 1.0 + self._forced
-        speeds, reach, expected = [(base + 0.0) / costs[0]], 1.0, 0.0
+        speeds, reach, expected = [base / costs[0]], 1.0, 0.0
         for rate, cost in zip(_floats(rates), costs[1:]):
             reach *= rate
             expected += reach
