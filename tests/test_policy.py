@@ -101,10 +101,10 @@ def test_lookup_takes_the_longest_match_then_the_latest():
 
 
 def test_lookup_asked_round_after_round_answers_as_if_asked_afresh():
-    """The drafter indexes only what is new since its last ask: one drafter asked as generations
-    grow (one or a few tokens a round), now of one, now of another (two requests, one longer than
-    the other, or sharing a head and then going on differently), answers every time exactly what the
-    definition gives."""
+    """One drafter asked as generations grow (one or a few tokens a round), now of one, now of another
+    (two requests, one longer than the other, or sharing a head and then going on differently) answers
+    every time exactly what the definition gives: a drafter that kept state between asks (session 22
+    measured an incremental n-gram index, dropped for its 0.5 KiB a context token) must keep this."""
     sampler = Sampler(SamplingParams(temperature=0), 0)
     rng = np.random.default_rng(1)
     lookup = PromptLookupDrafter()
