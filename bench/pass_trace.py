@@ -1,0 +1,100 @@
+"""Where auto's decode time goes against plain's: its target passes, and its own work between them.
+
+    python -m edgespec.bench.pass_trace [--models smollm2] [--threads 1] [--classes chat] [--repeats 3]
+                                        [--max-tokens 96] [--out FILE]
+
+The race's prompts of the given classes, each run by plain decoding (`ar`) and auto back to back, the
+order alternated per repeat, as the race runs them (empty KV; the suffix history holds the earlier
+prompts' plain outputs; auto starts from its priors). Every target llama_decode is timed. Per mode:
+the seconds in target passes, the seconds between the first decode pass and the last (the span), and
+what lies between passes (the span less the passes: sampling, acceptance, bookkeeping and, for auto,
+choosing and learning), per round. A race says how much slower or faster auto is; this says whether
+the passes or the work between them made it so (session 22, bench/auto-idle-s22: on SmolLM2's chat
+prompts auto's passes took 0.5 % less time than plain's and its work between them 1.01 ms a round
+against plain's 0.56).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edgespec.bench.pass_trace", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="smollm2", choices=("qwen", "smollm2"))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--classes", default="chat", help="comma-separated race classes [chat]")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--out", type=Path, default=None, help="write the runs and the summary as JSON")
+    args = p.parse_args(argv)
+
+    import edgespec.runtimes.llamacpp as lc
+    from edgespec.bench.race import edgespec_run, shipped_items
+    from edgespec.bench.run import describe_machine, setups, smollm2_draft
+    from edgespec.engine import Engine
+    from edgespec.models import store
+
+    [setup] = setups(args.models)
+    draft = smollm2_draft() if setup.draft == "smollm2-q4_0" else store.resolve(setup.draft)
+    engine = Engine.load(store.resolve(setup.target), draft, n_ctx=4096, n_threads=args.threads, trees=False)
+    engine.cost_profile(refresh=True)
+    decode, passes = lc.ll.llama_decode, []
+
+    def timed(ctx, batch):
+        t = time.perf_counter()
+        rc = decode(ctx, batch)
+        if ctx == engine.target._ctx:
+            passes.append((t, time.perf_counter() - t))
+        return rc
+
+    classes = set(args.classes.split(","))
+    items = [i for i in shipped_items(None) if i.category in classes]
+    runs, outputs = [], []
+    lc.ll.llama_decode = timed
+    try:
+        for item in items:
+            ids = engine.prompt_tokens(item.messages)
+            for repeat in range(args.repeats):
+                for mode in ("ar", "auto") if repeat % 2 == 0 else ("auto", "ar"):
+                    passes.clear()
+                    time.sleep(0.5)
+                    out = edgespec_run(engine, mode, mode, None, ids, outputs, args.max_tokens)
+                    rounds = passes[1:]  # the first is the prompt's prefill
+                    span = rounds[-1][0] + rounds[-1][1] - rounds[0][0]
+                    in_passes = sum(s for _, s in rounds)
+                    runs.append({"item": item.id, "mode": mode, "repeat": repeat, "tok_s": out["tok_s"],
+                                 "rounds": len(rounds), "pass_s": in_passes, "span_s": span,
+                                 "between_s": span - in_passes})
+                    if mode == "ar" and repeat == 0:
+                        plain_tokens = out["tokens"]
+            outputs.append(plain_tokens)
+    finally:
+        lc.ll.llama_decode = decode
+        engine.close()
+
+    summary = {}
+    for mode in ("ar", "auto"):
+        mine = [r for r in runs if r["mode"] == mode]
+        rounds = sum(r["rounds"] for r in mine)
+        summary[mode] = {"rounds": rounds, "pass_s": sum(r["pass_s"] for r in mine),
+                         "span_s": sum(r["span_s"] for r in mine),
+                         "between_ms_per_round": 1e3 * sum(r["between_s"] for r in mine) / rounds}
+    a, b = summary["auto"], summary["ar"]
+    summary["auto_over_plain"] = {"span": a["span_s"] / b["span_s"], "passes": a["pass_s"] / b["pass_s"],
+                                  "between_ms_per_round_extra": a["between_ms_per_round"] - b["between_ms_per_round"]}
+    doc = {"command": "python -m edgespec.bench.pass_trace " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": describe_machine(), "summary": summary, "runs": runs}
+    print(json.dumps({"command": doc["command"], "summary": summary}, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
