@@ -120,15 +120,17 @@ def gap_experiment(target: str, threads: int, gaps_ms: list[float], blocks: int 
 
 def cold_experiment(engine, weights_bytes: int, repeats: int = 200) -> dict:
     """Auto's kind of per-round work timed hot (back to back) and cold (after streaming `weights_bytes`
-    through the caches, as a target pass does), median microseconds: a short numpy computation (a
-    chain's predicted speeds over 17 rows, as auto computed them until session 22), the same in a
-    Python loop, and the asks of prompt lookup and suffix drafting on a growing real text."""
+    through the caches, as a target pass does), median microseconds: a chain's predicted speeds over
+    k_max + 1 rows as auto computed them in numpy until session 22, the same by AdaptivePolicy.chain_speeds
+    (Python floats), and the asks of prompt lookup and suffix drafting on a growing real text."""
     from edgespec.drafters.lookup import PromptLookupDrafter
     from edgespec.drafters.suffix import SuffixDrafter, SuffixHistory
+    from edgespec.policy import AdaptivePolicy
 
     stream = np.ones(max(weights_bytes, 1 << 20) // 4, dtype=np.float32)
-    rates, costs = np.linspace(0.9, 0.1, 16), np.linspace(0.02, 0.12, 17)
-    rate_list, cost_list = rates.tolist(), costs.tolist()
+    policy = AdaptivePolicy(engine.cost_profile())
+    rates = np.linspace(0.9, 0.1, policy.k_max)
+    costs = np.asarray(policy._verify_costs(policy.k_max))
 
     def numpy_speeds():
         e = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rates))])
@@ -137,12 +139,7 @@ def cold_experiment(engine, weights_bytes: int, repeats: int = 200) -> dict:
         return int(np.argmax(e / cost))
 
     def python_speeds():
-        speeds, reach, expected = [1.0 / cost_list[0]], 1.0, 0.0
-        for rate, cost in zip(rate_list, cost_list[1:]):
-            reach *= rate
-            expected += reach
-            speeds.append((1.0 + expected) / (cost + 1e-5))
-        return max(range(len(speeds)), key=speeds.__getitem__)
+        return policy.chain_speeds(rates, 1e-5)
 
     text = np.asarray(engine.target.tokenize(" ".join(PROMPTS * 8)), dtype=np.int32)
     history = SuffixHistory()

@@ -35,13 +35,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import edgespec.runtimes.llamacpp as lc
     from edgespec.bench.race import edgespec_run, shipped_items
-    from edgespec.bench.run import describe_machine, setups, smollm2_draft
+    from edgespec.bench.run import describe_machine, setups
     from edgespec.engine import Engine
     from edgespec.models import store
 
     [setup] = setups(args.models)
-    draft = smollm2_draft() if setup.draft == "smollm2-q4_0" else store.resolve(setup.draft)
-    engine = Engine.load(store.resolve(setup.target), draft, n_ctx=4096, n_threads=args.threads, trees=False)
+    engine = Engine.load(store.resolve(setup.target), setup.draft_path(), n_ctx=4096, n_threads=args.threads, trees=False)
     engine.cost_profile(refresh=True)
     decode, passes = lc.ll.llama_decode, []
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from edgespec.bench import oracle
 from edgespec.bench.race import CLASSES, ORACLE_GOAL, oracle_share, shipped_items, structured_items
-from edgespec.bench.run import describe_machine, setups, smollm2_draft
+from edgespec.bench.run import describe_machine, setups
 from edgespec.bench.stats_ci import LEVEL, geomean, geomean_interval
 from edgespec.drafters import DrafterKind, DraftSources
 from edgespec.drafters.suffix import SuffixHistory
@@ -381,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     [setup] = setups(args.models)
-    draft = smollm2_draft() if setup.draft == "smollm2-q4_0" else store.resolve(setup.draft)
-    engine = Engine.load(store.resolve(setup.target), draft, n_ctx=4096, n_threads=args.threads, trees=False)
+    engine = Engine.load(store.resolve(setup.target), setup.draft_path(), n_ctx=4096, n_threads=args.threads, trees=False)
     if args.profile:
         [profile_dict] = [v for k, v in json.loads(args.profile.read_text())["profiles"].items()
                           if k == f"{setup.name} t={args.threads}"]

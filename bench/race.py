@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from edgespec.bench.run import describe_machine, load_prompts, setups, smollm2_draft
+from edgespec.bench.run import describe_machine, load_prompts, setups
 from edgespec.bench.stats_ci import LEVEL, Interval, geomean, geomean_interval, verdict
 from edgespec.machine.profile import describe_curves
 
@@ -265,7 +265,7 @@ def run_model(setup, args, threads: int, log, record=None) -> tuple[list[Run], d
     from edgespec.models import store
 
     target = store.resolve(setup.target)
-    draft = smollm2_draft() if setup.draft == "smollm2-q4_0" else store.resolve(setup.draft)
+    draft = setup.draft_path()
     engine = Engine.load(target, draft, n_ctx=args.ctx, n_threads=threads, trees=False)
     engine.cost_profile(refresh=True)  # measured in this run's conditions, before any timed run
     hindsight = AutoOracle(engine)

@@ -325,6 +325,14 @@ class Setup:
     draft: str | None
     draft_note: str
 
+    def draft_path(self) -> Path | None:
+        """The draft's file: the catalog's, or SmolLM2 re-quantized (made once, `smollm2_draft`)."""
+        from edgespec.models import store
+
+        if self.draft is None:
+            return None
+        return smollm2_draft() if self.draft == "smollm2-q4_0" else store.resolve(self.draft)
+
 
 def bench_cache_dir() -> Path:
     import platformdirs
@@ -452,7 +460,7 @@ def run_setup(setup: Setup, prompts: list[Prompt], settings: Settings, progress,
     from edgespec.models import store
 
     target_path = store.resolve(setup.target)
-    draft_path = smollm2_draft() if setup.draft == "smollm2-q4_0" else (store.resolve(setup.draft) if setup.draft else None)
+    draft_path = setup.draft_path()
     engine = Engine.load(target=target_path, draft=draft_path, n_ctx=settings.n_ctx,
                          n_threads=settings.n_threads, n_gpu_layers=0, flash_attn=settings.flash_attn)
     peers: list[PeerModel] = []

@@ -190,7 +190,9 @@ class SuffixDrafter:
                 return self._copy_rest(corpus, int(following[0]), k - i, matched + i, tokens, confidence, reach, gate)
             if len(following) <= FEW_OCCURRENCES and not isinstance(following, list):
                 following = following.tolist()
-            nxt = corpus[following]
+            nxt = corpus[following]  # each occurrence's next token, a list where `following` is one
+            if isinstance(following, list):
+                nxt = nxt.tolist()
             ranked = self._ranked(nxt, following)
             if not ranked:
                 break
@@ -211,7 +213,7 @@ class SuffixDrafter:
             if gate is not None and i + 1 < k and not gate(i + 1, p, reach):
                 break
             if isinstance(following, list):
-                following = [at + 1 for at, token in zip(following, nxt.tolist()) if token == best]
+                following = [at + 1 for at, token in zip(following, nxt) if token == best]
             else:
                 following = following[nxt == best] + 1
         chain = np.asarray(tokens, dtype=np.int32)
@@ -236,14 +238,14 @@ class SuffixDrafter:
                      confidence=np.concatenate([confidence, p[:keep]]))
 
     @staticmethod
-    def _ranked(nxt: np.ndarray, following) -> list[tuple[int, int]]:
+    def _ranked(nxt, following) -> list[tuple[int, int]]:
         """The two commonest tokens of `nxt` but SEPARATOR, with their counts, the commonest first and
-        the latest (where it follows at the largest position of `following`, ascending) among equals."""
-        if isinstance(following, list):  # few: a count in dicts
-            listed = nxt.tolist()
-            counts = Counter(listed)
+        the latest (where it follows at the largest position of `following`, ascending) among equals.
+        Lists (few) are counted in dicts, arrays (many) by numpy."""
+        if isinstance(nxt, list):
+            counts = Counter(nxt)
             counts.pop(SEPARATOR, None)
-            latest = dict(zip(listed, following))
+            latest = dict(zip(nxt, following))
             top = heapq.nlargest(2, counts, key=lambda t: (counts[t], latest[t]))
             return [(t, counts[t]) for t in top]
         live = nxt != SEPARATOR
