@@ -25,6 +25,13 @@ tokens (its draft cost + verify(k + 1), advance min(k, accepted) + 1), each pass
 n_prompt + j tokens it follows.
 
     plain/auto - 1 over plain/oracle - 1 is auto's share of what any policy could have gained.
+
+Under a constraint (edgespec.structured) every round leads with the tokens the grammar forces where it
+stands (Engine.propose, at most FORCED_MAX), and the drafter drafts after them. So at position j with f
+forced tokens, m of which the text confirms (a forced byte string may be spelt by other tokens), plain
+decoding pays verify(1 + f) and advances m + 1 (f + 1 when all are kept), and drafter d with k tokens pays
+verify(1 + f + k) and advances f + min(k, accepted at j + f) + 1. Plain decoding under the same
+constraint is the path that always drafts nothing: the oracle's gain is over constrained plain decoding.
 """
 
 from __future__ import annotations
@@ -104,15 +111,18 @@ def runs_of_matches(predicted: np.ndarray, text: np.ndarray) -> np.ndarray:
     return out[:-1]
 
 
-def teacher_forced(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], chunk: int = 32) -> np.ndarray:
+def teacher_forced(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], chunk: int = 32,
+                   allowed: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """The draft model's greedy prediction at each position of `text` given the prompt and the text
     before it: one pass over the committed text (in chunks of `chunk` logits rows). Leaves its KV empty."""
-    return teacher_forced_confidence(draft, prompt, text, eog, chunk)[0]
+    return teacher_forced_confidence(draft, prompt, text, eog, chunk, allowed)[0]
 
 
 def teacher_forced_confidence(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int] = frozenset(),
-                              chunk: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """teacher_forced's predictions, and the draft's probability of each (its confidence there)."""
+                              chunk: int = 32, allowed: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """teacher_forced's predictions, and the draft's probability of each (its confidence there).
+    `allowed`: under a constraint, the grammar's mask at each position of the text (the draft model
+    drafts from masked rows, Engine.constrain)."""
     tokens = [int(t) for t in text if t != END]
     rows_max = draft.sizing.n_outputs_max
     chunk = min(chunk, rows_max) if rows_max else chunk
@@ -124,6 +134,9 @@ def teacher_forced_confidence(draft, prompt: Sequence[int], text: np.ndarray, eo
     for start in range(0, len(feed), chunk):
         piece = np.asarray(feed[start:start + chunk], dtype=np.int32)
         rows = draft.decode(piece, len(piece)).astype(np.float64)
+        for i, mask in enumerate(allowed[start:start + len(piece)] if allowed is not None else ()):
+            mask = mask[:rows.shape[1]]
+            rows[i, :len(mask)][~mask] = -np.inf
         predicted[start:start + len(piece)] = rows.argmax(axis=1)
         rows = np.exp(rows - rows.max(axis=1, keepdims=True))
         confidence[start:start + len(piece)] = 1.0 / rows.sum(axis=1)  # the top row's softmax
@@ -142,6 +155,8 @@ class Hindsight:
     recorded: dict[str, int] = field(default_factory=dict)  # drafter -> positions whose proposal was auto's own
     n_prompt: int = CONTEXT_TOKENS      # the tokens before the text: position j's pass follows n_prompt + j
     agree: dict[str, int] = field(default_factory=dict)     # of those, where asking again gave the same proposal
+    forced: np.ndarray | None = None       # under a constraint: the forced tokens leading a round at each position
+    forced_kept: np.ndarray | None = None  # how many of those the text confirms (None: all)
 
 
 def hindsight(prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], k_max: int, *,
@@ -177,6 +192,22 @@ def hindsight(prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], k_ma
     return out
 
 
+def forced_runs(grammar, text: np.ndarray, max_tokens: int, forced_max: int) -> tuple[np.ndarray, np.ndarray, list]:
+    """Under a constraint, at each position j of `text` (a Grammar at the prompt's end, which this walks
+    to the text's end): the forced tokens a round there leads with (Engine.propose: at most
+    min(forced_max, max_tokens - j - 1)), how many of them the text confirms, and the grammar's mask."""
+    n = len(text)
+    forced, kept, allowed = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), []
+    for j in range(n):
+        run = grammar.forced(min(forced_max, max_tokens - j - 1))
+        forced[j] = len(run)
+        kept[j] = accepted_run(run, text, j, frozenset())
+        allowed.append(grammar.allowed())
+        if text[j] != END:
+            grammar.consume([int(text[j])])
+    return forced, kept, allowed
+
+
 @dataclass
 class Oracle:
     seconds: float                   # the least priced time to emit the text
@@ -193,19 +224,24 @@ def oracle(h: Hindsight, pricing: Pricing, k_max: int, drafters: Sequence[str] |
     (default: every one in h)."""
     names = list(h.accepted if drafters is None else drafters)
     n = len(h.text)
+    forced = np.zeros(n, dtype=np.int64) if h.forced is None else np.asarray(h.forced, dtype=np.int64)
+    kept = forced if h.forced_kept is None else np.asarray(h.forced_kept, dtype=np.int64)
     draft = {d: [0.0] + [pricing.draft(d, k) for k in range(1, k_max + 1)] for d in names}
-    best = np.zeros(n + 1)
+    best, plain = np.zeros(n + 1), np.zeros(n + 1)  # from position j on: the cheapest, and plain decoding's
     move: list[tuple[str, int, int]] = [("none", 0, 1)] * n
-    plain_seconds = 0.0
     for j in range(n - 1, -1, -1):
-        verify = [0.0] + [pricing.verify(r, h.n_prompt + j) for r in range(1, k_max + 2)]
-        plain_seconds += verify[1]
-        best[j], move[j] = verify[1] + best[j + 1], ("none", 0, 1)
+        f, m = int(forced[j]), int(kept[j])
+        verify = [0.0] + [pricing.verify(r, h.n_prompt + j) for r in range(1, f + k_max + 2)]
+        step = min(min(m, f) + 1, n - j)
+        plain[j] = verify[f + 1] + plain[j + step]
+        best[j], move[j] = verify[f + 1] + best[j + step], ("none", 0, step)
+        if m < f or j + f >= n:  # a forced token the text spells otherwise ends the round there
+            continue
         for d in names:
-            a = int(h.accepted[d][j])
+            a = int(h.accepted[d][j + f])
             for k in range(1, k_max + 1):
-                step = min(min(k, a) + 1, n - j)
-                c = verify[k + 1] + draft[d][k] + best[j + step]
+                step = min(f + min(k, a) + 1, n - j)
+                c = verify[f + k + 1] + draft[d][k] + best[j + step]
                 if c < best[j]:
                     best[j], move[j] = c, (d, k, step)
     choices: dict[str, int] = {}
@@ -214,4 +250,4 @@ def oracle(h: Hindsight, pricing: Pricing, k_max: int, drafters: Sequence[str] |
         d, k, step = move[j]
         choices[f"{d}:{k}"] = choices.get(f"{d}:{k}", 0) + 1
         j += step
-    return Oracle(float(best[0]), plain_seconds, choices)
+    return Oracle(float(best[0]), float(plain[0]), choices)

@@ -227,6 +227,29 @@ def test_bench_is_the_race_with_intervals_priced_speed_and_the_oracle(tmp_path, 
         assert (tmp_path / "intervals.png").stat().st_size > 0
 
 
+def test_the_structured_oracle_prices_constrained_plain_as_ar_paid(tmp_path, smollm2_path):
+    """bench/structured_oracle on two extraction requests: constrained plain's walk over the grammar's
+    forced runs prices exactly what `ar` paid where it wrote the same text (so the walk forces what the
+    engine forced), auto's own path is one the oracle weighs, and a drafter never wrong bounds them both."""
+    from edgespec.bench import structured_oracle
+
+    out = tmp_path / "oracle.md"
+    assert structured_oracle.main(["--models", "smollm2", "--limit", "2", "--max-tokens", "40", "--threads", "1",
+                                   "--profiles", "2", "--out", str(out)]) == 0
+    [model] = json.loads(out.with_suffix(".json").read_text())["models"]
+    rows = model["requests"]
+    assert len(rows) == 2 and all(r["kind"] == "extraction" for r in rows)
+    assert any(r["same_text"] for r in rows)
+    for r in rows:
+        assert 0 < r["forced_share"] < 1  # a schema forces its keys and punctuation, never the values
+        if r["same_text"]:
+            assert r["ar_over_plain_walk"] == pytest.approx(1.0, rel=1e-9)
+        assert r["oracle_x"] >= r["auto_x"] - 1e-9  # no draft model here: auto's path is one the oracle weighs
+        assert r["ceiling_x"] >= r["oracle_x"] - 1e-9
+        assert all(agree == asked for agree, asked in r["shadow_agree"].values())
+    assert "never wrong" in out.read_text()
+
+
 # --- the statistics and the oracle on hand-made cases ----------------------------------------------------
 
 def test_the_geometric_mean_interval_resamples_prompts_within_their_class():
@@ -287,18 +310,22 @@ def test_a_run_is_priced_at_the_depth_of_each_pass():
 
 def _brute_force(h, pricing, k_max):
     """Every sequence of choices, by recursion: the cheapest time to emit the whole text, each pass
-    priced after the n_prompt + j tokens it follows."""
+    priced after the n_prompt + j tokens it follows, leading with the position's forced tokens."""
     n = len(h.text)
+    forced = np.zeros(n, dtype=np.int64) if h.forced is None else h.forced
+    kept = forced if h.forced_kept is None else h.forced_kept
 
     def best(j):
         if j >= n:
             return 0.0
-        held = h.n_prompt + j
-        options = [pricing.verify(1, held) + best(j + 1)]
+        held, f = h.n_prompt + j, int(forced[j])
+        if kept[j] < f:  # the text spells a forced token otherwise: the round ends there whatever was drafted
+            return pricing.verify(1 + f, held) + best(j + int(kept[j]) + 1)
+        options = [pricing.verify(1 + f, held) + best(j + f + 1)]
         for d, acc in h.accepted.items():
             for k in range(1, k_max + 1):
-                options.append(pricing.verify(k + 1, held) + pricing.draft(d, k)
-                               + best(j + min(min(k, int(acc[j])) + 1, n - j)))
+                options.append(pricing.verify(1 + f + k, held) + pricing.draft(d, k)
+                               + best(j + min(f + min(k, int(acc[j + f])) + 1, n - j)))
         return min(options)
 
     return best(0)
@@ -321,6 +348,46 @@ def test_the_oracle_is_the_cheapest_path_over_positions(deep):
     nothing = orc.Hindsight(np.arange(5), {"lookup": np.zeros(5, dtype=np.int64)})
     assert orc.oracle(nothing, pricing, 4).speedup == pytest.approx(1.0)
     assert orc.oracle(nothing, pricing, 4).choices == {"none:0": 5}
+
+
+def _forced_runs(n, rng):
+    """Forced-run lengths as a grammar gives them: a run from j forces the rest of it from j + 1."""
+    forced = np.zeros(n, dtype=np.int64)
+    j = 0
+    while j < n - 1:
+        if rng.random() < 0.4:
+            length = int(rng.integers(1, n - j))
+            forced[j:j + length] = np.arange(length, 0, -1)
+            j += length
+        j += 1
+    return forced
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["depth-free", "priced-by-depth"])
+def test_the_oracle_under_a_constraint_leads_each_round_with_the_forced_tokens(deep):
+    """Constrained: the forced tokens join every round's pass, drafting starts after them, and a forced
+    token the text spells otherwise ends the round. Plain decoding under the constraint is the path
+    that never drafts; the oracle is the cheapest path, by brute force."""
+    pricing = orc.Pricing(_profile(deep), ("lookup",))
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        n = int(rng.integers(3, 10))
+        forced = _forced_runs(n, rng)
+        kept = np.where(rng.random(n) < 0.2, np.minimum(forced, rng.integers(0, 3, size=n)), forced)
+        h = orc.Hindsight(np.arange(n), {"lookup": rng.integers(0, 5, size=n), "draft": rng.integers(0, 4, size=n)},
+                          n_prompt=int(rng.integers(0, 2000)), forced=forced, forced_kept=kept)
+        best = orc.oracle(h, pricing, k_max=4)
+        assert best.seconds == pytest.approx(_brute_force(h, pricing, 4))
+        plain, j = 0.0, 0
+        while j < n:  # constrained plain decoding: each round the forced tokens and one more
+            plain += pricing.verify(1 + forced[j], h.n_prompt + j)
+            j += (forced[j] if kept[j] >= forced[j] else kept[j]) + 1
+        assert best.plain_seconds == pytest.approx(plain) and best.speedup >= 1.0
+    # Forced tokens are free rows for plain decoding too: where the grammar forces everything, no drafter helps.
+    h = orc.Hindsight(np.arange(6), {"lookup": np.full(6, 5)}, forced=np.array([5, 4, 3, 2, 1, 0]))
+    best = orc.oracle(h, pricing, 4)
+    assert best.choices == {"none:0": 1} and best.speedup == pytest.approx(1.0)
+    assert best.plain_seconds == pytest.approx(pricing.verify(6))
 
 
 def test_acceptance_in_hindsight():
