@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -158,12 +158,19 @@ class AutoOracle:
         seconds = self.pricing.run_seconds(stats)
         return {"priced_s": seconds, "priced_tok_s": stats.generated / seconds if seconds > 0 and stats.generated else None}
 
-    def judge(self, ids: list[int], history: list[list[int]], result, shadow_log: list) -> dict:
-        """Auto's priced speedup on its own text, and the oracle's (all drafters, and each alone)."""
+    def judge(self, ids: list[int], history: list[list[int]], result, shadow_log: list, grammar=None,
+              max_tokens: int = 0) -> dict:
+        """Auto's priced speedup on its own text, and the oracle's (all drafters, each alone, and one never
+        wrong). `grammar`: the run's constraint as a Grammar at the prompt's end; then every round of a
+        path leads with the tokens it forces (`max_tokens`: the run's, which caps them as the engine does)
+        and the draft model predicts from masked rows."""
+        import numpy as np
+
         from edgespec.bench import oracle
         from edgespec.drafters import DraftSources
         from edgespec.drafters.suffix import SuffixHistory
         from edgespec.drafters.table import build_drafters
+        from edgespec.engine import FORCED_MAX
         from edgespec.sampling import Sampler, SamplingParams
 
         engine = self.engine
@@ -176,19 +183,28 @@ class AutoOracle:
         h = oracle.hindsight(ids, text, eog, self.k_max, shadow_log=shadow_log,
                              model_free={n: drafters[n] for n in self.model_free},
                              sampler=Sampler(SamplingParams(temperature=0.0), 0))
+        allowed = None
+        if grammar is not None:
+            h.forced, h.forced_kept, allowed = oracle.forced_runs(grammar, text, max_tokens, FORCED_MAX)
         if engine.draft_runtime is not None:
-            key = (tuple(ids), tuple(text.tolist()))
+            key = (tuple(ids), tuple(text.tolist()), grammar is not None)
             if key not in self._teacher:
                 self._teacher[key] = oracle.runs_of_matches(
-                    oracle.teacher_forced(engine.draft_runtime, ids, text, eog), text)
+                    oracle.teacher_forced(engine.draft_runtime, ids, text, eog, allowed=allowed), text)
             h.accepted["draft"] = self._teacher[key]
         best = oracle.oracle(h, self.pricing, self.k_max)
         auto_s = self.pricing.run_seconds(result.stats)
-        return {"auto_x": best.plain_seconds / auto_s, "oracle_x": best.speedup,
-                "auto_priced_s": round(auto_s, 6), "oracle_s": round(best.seconds, 6),
-                "plain_priced_s": round(best.plain_seconds, 6), "oracle_choices": best.choices,
-                "oracle_x_alone": {d: oracle.oracle(h, self.pricing, self.k_max, [d]).speedup for d in h.accepted},
-                "shadow_positions": h.recorded, "shadow_agree": h.agree}
+        out = {"auto_x": best.plain_seconds / auto_s, "oracle_x": best.speedup,
+               "auto_priced_s": auto_s, "oracle_s": best.seconds,
+               "plain_priced_s": best.plain_seconds, "oracle_choices": best.choices,
+               "oracle_x_alone": {d: oracle.oracle(h, self.pricing, self.k_max, [d]).speedup for d in h.accepted},
+               "shadow_positions": h.recorded, "shadow_agree": h.agree}
+        if self.model_free:  # the cost curve's own ceiling on this text: a drafter that proposes the text itself,
+            # priced as the cheapest ask, so that it matches any move of the oracle's for no more
+            cheapest = min(self.model_free, key=self.pricing.ask)
+            never_wrong = replace(h, accepted={cheapest: np.full(len(text), len(text), dtype=np.int64)})
+            out["never_wrong_x"] = oracle.oracle(never_wrong, self.pricing, self.k_max).speedup
+        return out
 
 
 def edgespec_run(engine, name: str, mode: str, k: int | None, ids: list[int], history: list[list[int]],

@@ -59,15 +59,10 @@ def steady_profile(engine, measurements: int) -> None:
 
 
 def run_model(name: str, args, log) -> dict:
-    from edgespec.bench import oracle
     from edgespec.bench.race import AutoOracle, shadow_logging
     from edgespec.bench.run import describe_machine
-    from edgespec.drafters import DraftSources
-    from edgespec.drafters.suffix import SuffixHistory
-    from edgespec.drafters.table import build_drafters
-    from edgespec.engine import FORCED_MAX, Engine
+    from edgespec.engine import Engine
     from edgespec.models import store
-    from edgespec.sampling import Sampler, SamplingParams
     from edgespec.serve.server import ChatRequest, ServerConfig, _Service
     from edgespec.structured import Grammar
 
@@ -80,7 +75,6 @@ def run_model(name: str, args, log) -> dict:
     service = _Service(engine, ServerConfig(model_id=model["target"], mode="auto"))
     service.queue.close()  # its worker is not used: the requests run here, one at a time
     rt = engine.target
-    eog = rt.vocab.eog
     auto_outputs: list[list[int]] = []  # what auto's server would hold in its suffix history
     acceptance = None                   # and its acceptance record, request to request
     out = []
@@ -92,7 +86,7 @@ def run_model(name: str, args, log) -> dict:
         ids = service.chat_prompt(req, tools, choice)
         config = service.generation_config(req, len(ids), req.max_tokens, None, constraint)
         row = {"model": name, "kind": request.kind, "id": request.id, "prompt_tokens": len(ids)}
-        results = {}
+        results, shadow_logs = {}, {}
         for mode in ("ar", "auto"):
             engine.target.truncate(0)
             if engine.draft_runtime is not None:
@@ -101,49 +95,29 @@ def run_model(name: str, args, log) -> dict:
             for output in auto_outputs:
                 engine.history.add(output)
             engine.acceptance = acceptance
-            with shadow_logging(engine, []) as shadow_log:
+            with shadow_logging(engine, []) as shadow_logs[mode]:
                 result = results[mode] = engine.generate_tokens(ids, replace(config, mode=mode))
             s = result.stats
             row[mode] = {"generated": s.generated, "tok_s": s.tokens_per_s, "priced_s": judge.pricing.run_seconds(s),
                          "forced_accepted": s.forced_accepted, "chosen": dict(s.chosen),
                          "finish_reason": result.finish_reason}
         acceptance = engine.acceptance
-        # The oracle on auto's text, as the race judges it, with the grammar's forced runs and masks.
-        text = oracle.with_end(result.tokens, result.finish_reason == "stop")
-        before = SuffixHistory(key=engine.history.key)
-        for output in auto_outputs:
-            before.add(output)
-        auto_outputs.append(list(result.tokens))
-        drafters = build_drafters(DraftSources(history=before))
-        h = oracle.hindsight(ids, text, eog, judge.k_max, shadow_log=shadow_log,
-                             model_free={n: drafters[n] for n in judge.model_free},
-                             sampler=Sampler(SamplingParams(temperature=0.0), 0))
-        grammar = Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=eog, position=len(ids))
-        h.forced, h.forced_kept, allowed = oracle.forced_runs(grammar, text, config.max_tokens, FORCED_MAX)
-        if engine.draft_runtime is not None:
-            h.accepted["draft"] = oracle.runs_of_matches(
-                oracle.teacher_forced(engine.draft_runtime, ids, text, eog, allowed=allowed), text)
-        best = oracle.oracle(h, judge.pricing, judge.k_max)
-        # Priced as the cheapest model-free ask, so that it matches any move of the oracle's for no more.
-        cheapest = min(judge.model_free, key=judge.pricing.ask)
-        never_wrong = replace(h, accepted={cheapest: np.full(len(text), len(text), dtype=np.int64)})
-        ceiling = oracle.oracle(never_wrong, judge.pricing, judge.k_max)
-        auto_s = row["auto"]["priced_s"]
-        row.update({"prompt_ids": list(ids), "text": [int(t) for t in text], "tokens": len(text), "forced_share": float(row["auto"]["forced_accepted"]) / max(1, len(result.tokens)),
-                    "plain_priced_s": best.plain_seconds, "auto_x": best.plain_seconds / auto_s,
-                    "oracle_x": best.speedup, "ceiling_x": ceiling.speedup, "oracle_choices": best.choices,
-                    "oracle_x_alone": {d: oracle.oracle(h, judge.pricing, judge.k_max, [d]).speedup for d in h.accepted},
-                    "shadow_agree": {d: [h.agree[d], h.recorded[d]] for d in h.recorded},
+        grammar = Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog,
+                          position=len(ids))
+        judged = judge.judge(ids, auto_outputs, results["auto"], shadow_logs["auto"], grammar, config.max_tokens)
+        auto_outputs.append(list(results["auto"].tokens))
+        tokens = results["auto"].tokens
+        row.update({"prompt_ids": list(ids), "text": [int(t) for t in tokens], "tokens": len(tokens),
+                    "forced_share": row["auto"]["forced_accepted"] / max(1, len(tokens)), **judged,
                     # On the same text, constrained plain's walk must price what `ar` paid (a check of the walk).
-                    "same_text": results["ar"].tokens == results["auto"].tokens,
-                    "ar_over_plain_walk": row["ar"]["priced_s"] / best.plain_seconds})
-        log(f"{name} {request.id}: {len(text)} tokens, auto {row['auto_x']:.3f}x constrained plain priced, "
-            f"oracle {row['oracle_x']:.3f}x, never wrong {row['ceiling_x']:.3f}x")
+                    "same_text": results["ar"].tokens == tokens,
+                    "ar_over_plain_walk": row["ar"]["priced_s"] / judged["plain_priced_s"]})
+        log(f"{name} {request.id}: {len(tokens)} tokens, auto {row['auto_x']:.3f}x constrained plain priced, "
+            f"oracle {row['oracle_x']:.3f}x, never wrong {row['never_wrong_x']:.3f}x")
         out.append(row)
     profile = engine.cost_profile()
-    curve = {r: round(profile.verify(r) * 1e3, 2) for r in (1, 2, 3, 4, 6, 8, 12, 17)}
     engine.close()
-    return {"model": name, "label": model["label"], "k_max": judge.k_max, "verify_ms": curve,
+    return {"model": name, "label": model["label"], "k_max": judge.k_max,
             "profile": profile.to_dict(), "profiles_measured": args.profiles,
             "draft_ms": None if profile.draft_s is None else round(profile.draft_s * 1e3, 2),
             "machine": describe_machine(), "requests": out}
@@ -152,7 +126,7 @@ def run_model(name: str, args, log) -> dict:
 def summarize(rows: list[dict], kind: str | None) -> dict:
     rows = [r for r in rows if kind is None or r["kind"] == kind]
     out = {"requests": len(rows)}
-    for key in ("auto_x", "oracle_x", "ceiling_x"):
+    for key in ("auto_x", "oracle_x", "never_wrong_x"):
         iv = geomean_interval([r[key] for r in rows])
         out[key] = [iv.value, iv.low, iv.high]
     a, o = out["auto_x"][0], out["oracle_x"][0]
@@ -184,14 +158,14 @@ def render(doc: dict) -> str:
             s = summarize(m["requests"], kind)
             share = "-" if s["share"] is None else f"{s['share']:.2f}"
             lines.append(f"| {kind or 'all'} | {s['requests']} | {s['forced_share']:.0%} | {_iv(s['auto_x'])} | "
-                         f"{_iv(s['oracle_x'])} | {_iv(s['ceiling_x'])} | {share} |")
+                         f"{_iv(s['oracle_x'])} | {_iv(s['never_wrong_x'])} | {share} |")
         lines += ["", "| request | tokens | forced | auto priced | oracle | alone | never wrong | auto chose | oracle chose | tok/s ar / auto (one run) |",
                   "|---|---:|---:|---:|---:|---|---:|---|---|---|"]
         for r in m["requests"]:
             top = lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])[:3])
             alone = ", ".join(f"{d} {x:.2f}" for d, x in r["oracle_x_alone"].items())
             lines.append(f"| {r['id']} | {r['tokens']} | {r['forced_share']:.0%} | {r['auto_x']:.3f} | {r['oracle_x']:.3f} | "
-                         f"{alone} | {r['ceiling_x']:.3f} | {top(r['auto']['chosen'])} | {top(r['oracle_choices'])} | "
+                         f"{alone} | {r['never_wrong_x']:.3f} | {top(r['auto']['chosen'])} | {top(r['oracle_choices'])} | "
                          f"{r['ar']['tok_s']:.1f} / {r['auto']['tok_s']:.1f} |")
         same = [r["ar_over_plain_walk"] for r in m["requests"] if r["same_text"]]
         lines += ["", f"Check: `ar` wrote auto's text on {len(same)} of {len(m['requests'])} requests; there its priced "
@@ -202,7 +176,7 @@ def render(doc: dict) -> str:
         if any(r["kind"] == "extraction" for r in m["requests"]):
             s = summarize(m["requests"], "extraction")
             lines.append(f"| {m['model']} | constrained auto >= {GOAL}x constrained plain on extraction, priced | "
-                         f"{_iv(s['auto_x'])} | {_iv(s['oracle_x'])} | {_iv(s['ceiling_x'])} | {GOAL} |")
+                         f"{_iv(s['auto_x'])} | {_iv(s['oracle_x'])} | {_iv(s['never_wrong_x'])} | {GOAL} |")
     return "\n".join(lines) + "\n"
 
 

@@ -245,8 +245,8 @@ def test_the_structured_oracle_prices_constrained_plain_as_ar_paid(tmp_path, smo
         if r["same_text"]:
             assert r["ar_over_plain_walk"] == pytest.approx(1.0, rel=1e-9)
         assert r["oracle_x"] >= r["auto_x"] - 1e-9  # no draft model here: auto's path is one the oracle weighs
-        assert r["ceiling_x"] >= r["oracle_x"] - 1e-9
-        assert all(agree == asked for agree, asked in r["shadow_agree"].values())
+        assert r["never_wrong_x"] >= r["oracle_x"] - 1e-9
+        assert r["shadow_agree"] == r["shadow_positions"] and all(r["shadow_positions"].values())
     assert "never wrong" in out.read_text()
 
 
