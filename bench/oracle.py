@@ -112,17 +112,17 @@ def runs_of_matches(predicted: np.ndarray, text: np.ndarray) -> np.ndarray:
 
 
 def teacher_forced(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], chunk: int = 32,
-                   allowed: Sequence[np.ndarray] | None = None) -> np.ndarray:
+                   grammar=None) -> np.ndarray:
     """The draft model's greedy prediction at each position of `text` given the prompt and the text
     before it: one pass over the committed text (in chunks of `chunk` logits rows). Leaves its KV empty."""
-    return teacher_forced_confidence(draft, prompt, text, eog, chunk, allowed)[0]
+    return teacher_forced_confidence(draft, prompt, text, eog, chunk, grammar)[0]
 
 
 def teacher_forced_confidence(draft, prompt: Sequence[int], text: np.ndarray, eog: frozenset[int] = frozenset(),
-                              chunk: int = 32, allowed: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                              chunk: int = 32, grammar=None) -> tuple[np.ndarray, np.ndarray]:
     """teacher_forced's predictions, and the draft's probability of each (its confidence there).
-    `allowed`: under a constraint, the grammar's mask at each position of the text (the draft model
-    drafts from masked rows, Engine.constrain)."""
+    `grammar`: under a constraint, a Grammar at the prompt's end, walked along the text here: each row
+    is masked as it stands there (the draft model drafts from masked rows, Engine.constrain)."""
     tokens = [int(t) for t in text if t != END]
     rows_max = draft.sizing.n_outputs_max
     chunk = min(chunk, rows_max) if rows_max else chunk
@@ -134,9 +134,11 @@ def teacher_forced_confidence(draft, prompt: Sequence[int], text: np.ndarray, eo
     for start in range(0, len(feed), chunk):
         piece = np.asarray(feed[start:start + chunk], dtype=np.int32)
         rows = draft.decode(piece, len(piece)).astype(np.float64)
-        for i, mask in enumerate(allowed[start:start + len(piece)] if allowed is not None else ()):
-            mask = mask[:rows.shape[1]]
+        for i in range(len(piece)) if grammar is not None else ():  # row i predicts tokens[start + i]
+            mask = grammar.allowed()[:rows.shape[1]]
             rows[i, :len(mask)][~mask] = -np.inf
+            if start + i < len(tokens):
+                grammar.consume([tokens[start + i]])
         predicted[start:start + len(piece)] = rows.argmax(axis=1)
         rows = np.exp(rows - rows.max(axis=1, keepdims=True))
         confidence[start:start + len(piece)] = 1.0 / rows.sum(axis=1)  # the top row's softmax
@@ -192,20 +194,19 @@ def hindsight(prompt: Sequence[int], text: np.ndarray, eog: frozenset[int], k_ma
     return out
 
 
-def forced_runs(grammar, text: np.ndarray, max_tokens: int, forced_max: int) -> tuple[np.ndarray, np.ndarray, list]:
+def forced_runs(grammar, text: np.ndarray, max_tokens: int, forced_max: int) -> tuple[np.ndarray, np.ndarray]:
     """Under a constraint, at each position j of `text` (a Grammar at the prompt's end, which this walks
     to the text's end): the forced tokens a round there leads with (Engine.propose: at most
-    min(forced_max, max_tokens - j - 1)), how many of them the text confirms, and the grammar's mask."""
+    min(forced_max, max_tokens - j - 1)), and how many of them the text confirms."""
     n = len(text)
-    forced, kept, allowed = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), []
+    forced, kept = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     for j in range(n):
         run = grammar.forced(min(forced_max, max_tokens - j - 1))
         forced[j] = len(run)
         kept[j] = accepted_run(run, text, j, frozenset())
-        allowed.append(grammar.allowed())
         if text[j] != END:
             grammar.consume([int(text[j])])
-    return forced, kept, allowed
+    return forced, kept
 
 
 @dataclass

@@ -11,7 +11,8 @@ what lies between passes (the span less the passes: sampling, acceptance, bookke
 choosing and learning), per round. A race says how much slower or faster auto is; this says whether
 the passes or the work between them made it so (session 22, bench/auto-idle-s22: on SmolLM2's chat
 prompts auto's passes took 0.5 % less time than plain's and its work between them 1.01 ms a round
-against plain's 0.56).
+against plain's 0.56). Beside the timed passes, their price by the cost profile auto used (the race's
+priced time less auto's asks): whether the profile prices a multi-row pass as it runs in the loop.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import edgespec.runtimes.llamacpp as lc
-    from edgespec.bench.race import edgespec_run, shipped_items
+    from edgespec.bench.race import AutoOracle, edgespec_run, shipped_items
     from edgespec.bench.run import describe_machine, setups
     from edgespec.engine import Engine
     from edgespec.models import store
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     [setup] = setups(args.models)
     engine = Engine.load(store.resolve(setup.target), setup.draft_path(), n_ctx=4096, n_threads=args.threads, trees=False)
     engine.cost_profile(refresh=True)
+    prices = AutoOracle(engine)
+    asks_s = sum(prices.pricing.ask(d) for d in prices.model_free)  # what auto's price adds a round besides passes
     decode, passes = lc.ll.llama_decode, []
 
     def timed(ctx, batch):
@@ -62,13 +65,15 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in ("ar", "auto") if repeat % 2 == 0 else ("auto", "ar"):
                     passes.clear()
                     time.sleep(0.5)
-                    out = edgespec_run(engine, mode, mode, None, ids, outputs, args.max_tokens)
+                    out = edgespec_run(engine, mode, mode, None, ids, outputs, args.max_tokens, prices)
                     rounds = passes[1:]  # the first is the prompt's prefill
                     span = rounds[-1][0] + rounds[-1][1] - rounds[0][0]
                     in_passes = sum(s for _, s in rounds)
+                    priced_passes = out["priced_s"] - (len(rounds) * asks_s if mode == "auto" else 0.0)
                     runs.append({"item": item.id, "mode": mode, "repeat": repeat, "tok_s": out["tok_s"],
                                  "rounds": len(rounds), "pass_s": in_passes, "span_s": span,
-                                 "between_s": span - in_passes})
+                                 "between_s": span - in_passes, "priced_pass_s": priced_passes,
+                                 "chosen": out["chosen"]})
                     if mode == "ar" and repeat == 0:
                         plain_tokens = out["tokens"]
             outputs.append(plain_tokens)
@@ -81,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in runs if r["mode"] == mode]
         rounds = sum(r["rounds"] for r in mine)
         summary[mode] = {"rounds": rounds, "pass_s": sum(r["pass_s"] for r in mine),
+                         "priced_pass_s": sum(r["priced_pass_s"] for r in mine),
                          "span_s": sum(r["span_s"] for r in mine),
                          "between_ms_per_round": 1e3 * sum(r["between_s"] for r in mine) / rounds}
     a, b = summary["auto"], summary["ar"]
+    for mode in ("ar", "auto"):  # the passes as timed against the cost profile's price for them
+        summary[mode]["passes_over_priced"] = summary[mode]["pass_s"] / summary[mode]["priced_pass_s"]
     summary["auto_over_plain"] = {"span": a["span_s"] / b["span_s"], "passes": a["pass_s"] / b["pass_s"],
+                                  "priced_passes": a["priced_pass_s"] / b["priced_pass_s"],
                                   "between_ms_per_round_extra": a["between_ms_per_round"] - b["between_ms_per_round"]}
     doc = {"command": "python -m edgespec.bench.pass_trace " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": describe_machine(), "summary": summary, "runs": runs}

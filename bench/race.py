@@ -161,9 +161,9 @@ class AutoOracle:
     def judge(self, ids: list[int], history: list[list[int]], result, shadow_log: list, grammar=None,
               max_tokens: int = 0) -> dict:
         """Auto's priced speedup on its own text, and the oracle's (all drafters, each alone, and one never
-        wrong). `grammar`: the run's constraint as a Grammar at the prompt's end; then every round of a
-        path leads with the tokens it forces (`max_tokens`: the run's, which caps them as the engine does)
-        and the draft model predicts from masked rows."""
+        wrong). `grammar`: under a constraint, a function that makes the run's Grammar at the prompt's end;
+        then every round of a path leads with the tokens it forces (`max_tokens`: the run's, which caps
+        them as the engine does) and the draft model predicts from masked rows."""
         import numpy as np
 
         from edgespec.bench import oracle
@@ -183,14 +183,13 @@ class AutoOracle:
         h = oracle.hindsight(ids, text, eog, self.k_max, shadow_log=shadow_log,
                              model_free={n: drafters[n] for n in self.model_free},
                              sampler=Sampler(SamplingParams(temperature=0.0), 0))
-        allowed = None
         if grammar is not None:
-            h.forced, h.forced_kept, allowed = oracle.forced_runs(grammar, text, max_tokens, FORCED_MAX)
+            h.forced, h.forced_kept = oracle.forced_runs(grammar(), text, max_tokens, FORCED_MAX)
         if engine.draft_runtime is not None:
             key = (tuple(ids), tuple(text.tolist()), grammar is not None)
             if key not in self._teacher:
-                self._teacher[key] = oracle.runs_of_matches(
-                    oracle.teacher_forced(engine.draft_runtime, ids, text, eog, allowed=allowed), text)
+                self._teacher[key] = oracle.runs_of_matches(oracle.teacher_forced(
+                    engine.draft_runtime, ids, text, eog, grammar=grammar() if grammar is not None else None), text)
             h.accepted["draft"] = self._teacher[key]
         best = oracle.oracle(h, self.pricing, self.k_max)
         auto_s = self.pricing.run_seconds(result.stats)

@@ -102,8 +102,10 @@ def run_model(name: str, args, log) -> dict:
                          "forced_accepted": s.forced_accepted, "chosen": dict(s.chosen),
                          "finish_reason": result.finish_reason}
         acceptance = engine.acceptance
-        grammar = Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog,
-                          position=len(ids))
+        def grammar(constraint=constraint, n_prompt=len(ids)) -> Grammar:
+            return Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog,
+                           position=n_prompt)
+
         judged = judge.judge(ids, auto_outputs, results["auto"], shadow_logs["auto"], grammar, config.max_tokens)
         auto_outputs.append(list(results["auto"].tokens))
         tokens = results["auto"].tokens

@@ -250,6 +250,57 @@ def test_the_structured_oracle_prices_constrained_plain_as_ar_paid(tmp_path, smo
     assert "never wrong" in out.read_text()
 
 
+def test_the_draft_model_predicts_from_masked_rows_under_a_constraint(smollm2_path):
+    """Teacher forcing under a grammar predicts what the draft model drafts under it (Engine.constrain:
+    from masked rows): every prediction is a token the grammar allows where it stands, and where the
+    model's own argmax is allowed the two agree."""
+    from conftest import load_runtime
+    from edgespec.structured import Constraint, Grammar
+
+    rt = load_runtime(smollm2_path)
+    try:
+        constraint = Constraint.regex(r"[0-9]{3}-[a-z]{3}-[0-9]{3}")
+        prompt = rt.tokenize("Tell me about the weather in Paris.")
+        text = np.asarray(rt.tokenize("123-abc-456", add_special=False), dtype=np.int64)
+        grammar = lambda: Grammar(rt.grammar_tokenizer(), constraint, n_vocab=rt.vocab.n_vocab, eog=rt.vocab.eog,
+                                  position=len(prompt))
+        eog = frozenset(rt.vocab.eog)
+        masked = orc.teacher_forced(rt, prompt, text, eog, grammar=grammar())
+        free = orc.teacher_forced(rt, prompt, text, eog)
+        walk, overruled = grammar(), 0
+        for i, token in enumerate(text):
+            allowed = walk.allowed()
+            assert masked[i] != orc.END and allowed[masked[i]]
+            if free[i] != orc.END and allowed[free[i]]:
+                assert masked[i] == free[i]
+            else:
+                overruled += 1
+            assert walk.consume([int(token)]) == 1
+        assert overruled  # the prompt asks for prose: the mask decides somewhere
+    finally:
+        rt.close()
+
+
+def test_pass_trace_times_every_pass_beside_its_price(tmp_path, smollm2_path):
+    """bench/pass_trace: plain and auto alternated, every target pass timed, and the same passes priced
+    by the profile auto used; plain's price is its passes alone, so timed and priced describe one run."""
+    from edgespec.bench import pass_trace
+
+    out = tmp_path / "trace.json"
+    assert pass_trace.main(["--models", "smollm2", "--classes", "chat", "--repeats", "2", "--max-tokens", "8",
+                            "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    runs, summary = doc["runs"], doc["summary"]
+    for item in {r["item"] for r in runs}:
+        order = [r["mode"] for r in runs if r["item"] == item]
+        assert order == ["ar", "auto", "auto", "ar"]
+    for mode in ("ar", "auto"):
+        mine = [r for r in runs if r["mode"] == mode]
+        assert all(r["rounds"] > 0 and 0 < r["pass_s"] <= r["span_s"] and r["priced_pass_s"] > 0 for r in mine)
+        assert summary[mode]["passes_over_priced"] == pytest.approx(
+            sum(r["pass_s"] for r in mine) / sum(r["priced_pass_s"] for r in mine))
+
+
 # --- the statistics and the oracle on hand-made cases ----------------------------------------------------
 
 def test_the_geometric_mean_interval_resamples_prompts_within_their_class():
