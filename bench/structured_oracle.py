@@ -3,7 +3,7 @@ decoding on the structured bench's requests, by this machine's cost curve, again
 the same drafters could have gained on the same text, and what a drafter that is never wrong would.
 
     python -m edgespec.bench.structured_oracle [--models qwen,smollm2] [--kinds extraction] [--limit N]
-        [--threads N] [--max-tokens N] [--profiles 3] [--out bench/STRUCTURED_ORACLE.md]
+        [--threads N] [--max-tokens N] [--profiles 3] [--out bench/out/structured-oracle.md]
 
 Each request goes through edgespec's own server code in-process (the chat template, the tools, the
 response_format's grammar: edgespec.serve.server._Service, as `edgespec serve` answers it), greedy, once
