@@ -67,11 +67,15 @@ class Pricing:
             return k * (self.profile.draft_s or 0.0)
         return self.ask(drafter)
 
+    def passes_seconds(self, stats) -> float:
+        """A finished run's target passes at their price, from its GenerationStats."""
+        # verify() is linear in the tokens held, so n passes cost n at their mean depth
+        return sum(n * self.verify(rows, stats.held_by_rows.get(rows, CONTEXT_TOKENS * n) / n)
+                   for rows, n in stats.passes_by_rows.items())
+
     def run_seconds(self, stats) -> float:
         """A finished run's priced time, from its GenerationStats (see the module docstring)."""
-        # verify() is linear in the tokens held, so n passes cost n at their mean depth
-        verify = sum(n * self.verify(rows, stats.held_by_rows.get(rows, CONTEXT_TOKENS * n) / n)
-                     for rows, n in stats.passes_by_rows.items())
+        verify = self.passes_seconds(stats)
         model = 0.0
         for key, n in stats.chosen.items():
             drafter, k = key.rsplit(":", 1)

@@ -11,8 +11,8 @@ what lies between passes (the span less the passes: sampling, acceptance, bookke
 choosing and learning), per round. A race says how much slower or faster auto is; this says whether
 the passes or the work between them made it so (session 22, bench/auto-idle-s22: on SmolLM2's chat
 prompts auto's passes took 0.5 % less time than plain's and its work between them 1.01 ms a round
-against plain's 0.56). Beside the timed passes, their price by the cost profile auto used (the race's
-priced time less auto's asks): whether the profile prices a multi-row pass as it runs in the loop.
+against plain's 0.56). Beside the timed passes, their price by the cost profile auto used
+(bench/oracle.Pricing.passes_seconds): whether the profile prices a multi-row pass as it runs in the loop.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(store.resolve(setup.target), setup.draft_path(), n_ctx=4096, n_threads=args.threads, trees=False)
     engine.cost_profile(refresh=True)
     prices = AutoOracle(engine)
-    asks_s = sum(prices.pricing.ask(d) for d in prices.model_free)  # what auto's price adds a round besides passes
     decode, passes = lc.ll.llama_decode, []
 
     def timed(ctx, batch):
@@ -69,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                     rounds = passes[1:]  # the first is the prompt's prefill
                     span = rounds[-1][0] + rounds[-1][1] - rounds[0][0]
                     in_passes = sum(s for _, s in rounds)
-                    priced_passes = out["priced_s"] - (len(rounds) * asks_s if mode == "auto" else 0.0)
                     runs.append({"item": item.id, "mode": mode, "repeat": repeat, "tok_s": out["tok_s"],
                                  "rounds": len(rounds), "pass_s": in_passes, "span_s": span,
-                                 "between_s": span - in_passes, "priced_pass_s": priced_passes,
+                                 "between_s": span - in_passes, "priced_pass_s": out["priced_pass_s"],
                                  "chosen": out["chosen"]})
                     if mode == "ar" and repeat == 0:
                         plain_tokens = out["tokens"]

@@ -97,6 +97,7 @@ class Run:
     model: str = ""
     order: int = 0                      # its place among the systems in this repeat of this prompt
     priced_s: float | None = None       # the run's passes and drafting at the profile's prices (bench/oracle.py)
+    priced_pass_s: float | None = None  # of which its target passes
     priced_tok_s: float | None = None   # generated / priced_s; edgespec runs only
     passes_by_rows: dict = field(default_factory=dict)
     finish_reason: str | None = None
@@ -156,7 +157,8 @@ class AutoOracle:
 
     def priced(self, stats) -> dict:
         seconds = self.pricing.run_seconds(stats)
-        return {"priced_s": seconds, "priced_tok_s": stats.generated / seconds if seconds > 0 and stats.generated else None}
+        return {"priced_s": seconds, "priced_tok_s": stats.generated / seconds if seconds > 0 and stats.generated else None,
+                "priced_pass_s": self.pricing.passes_seconds(stats)}
 
     def judge(self, ids: list[int], history: list[list[int]], result, shadow_log: list, grammar=None,
               max_tokens: int = 0) -> dict:

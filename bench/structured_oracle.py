@@ -98,7 +98,7 @@ def run_model(name: str, args, log) -> dict:
             with shadow_logging(engine, []) as shadow_logs[mode]:
                 result = results[mode] = engine.generate_tokens(ids, replace(config, mode=mode))
             s = result.stats
-            row[mode] = {"generated": s.generated, "tok_s": s.tokens_per_s, "priced_s": judge.pricing.run_seconds(s),
+            row[mode] = {"generated": s.generated, "tok_s": s.tokens_per_s, **judge.priced(s),
                          "forced_accepted": s.forced_accepted, "chosen": dict(s.chosen),
                          "finish_reason": result.finish_reason}
         acceptance = engine.acceptance
@@ -121,7 +121,6 @@ def run_model(name: str, args, log) -> dict:
     engine.close()
     return {"model": name, "label": model["label"], "k_max": judge.k_max,
             "profile": profile.to_dict(), "profiles_measured": args.profiles,
-            "draft_ms": None if profile.draft_s is None else round(profile.draft_s * 1e3, 2),
             "machine": describe_machine(), "requests": out}
 
 
@@ -141,6 +140,11 @@ def _iv(x) -> str:
     return f"{x[0]:.3f} ({x[1]:.3f}-{x[2]:.3f})"
 
 
+def _top3(rounds: dict[str, int]) -> str:
+    """The three choices made in most rounds ("drafter:k n")."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(rounds.items(), key=lambda kv: -kv[1])[:3])
+
+
 def render(doc: dict) -> str:
     from edgespec.machine.profile import describe_curves
 
@@ -153,7 +157,8 @@ def render(doc: dict) -> str:
                   f"Machine: {mach.get('cpu', '?')} ({', '.join(mach.get('cpu_features') or ['?'])}), {mach.get('logical_cores', '?')} "
                   f"logical cores, {doc['threads']} threads. Cost profile (the fastest of {m['profiles_measured']}): "
                   + describe_curves(m["profile"])
-                  + (f"; draft model {m['draft_ms']} ms a token" if m["draft_ms"] else "") + f"; k_max {m['k_max']}.", "",
+                  + (f"; draft model {1e3 * m['profile']['draft_s']:.2f} ms a token" if m["profile"]["draft_s"] else "")
+                  + f"; k_max {m['k_max']}.", "",
                   "| workload | requests | forced share | auto x constrained plain, priced | oracle | never wrong | auto's share of the oracle's gain |",
                   "|---|---:|---:|---|---|---|---:|"]
         for kind in [k for k in KINDS if any(r["kind"] == k for r in m["requests"])] + [None]:
@@ -164,10 +169,9 @@ def render(doc: dict) -> str:
         lines += ["", "| request | tokens | forced | auto priced | oracle | alone | never wrong | auto chose | oracle chose | tok/s ar / auto (one run) |",
                   "|---|---:|---:|---:|---:|---|---:|---|---|---|"]
         for r in m["requests"]:
-            top = lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])[:3])
             alone = ", ".join(f"{d} {x:.2f}" for d, x in r["oracle_x_alone"].items())
             lines.append(f"| {r['id']} | {r['tokens']} | {r['forced_share']:.0%} | {r['auto_x']:.3f} | {r['oracle_x']:.3f} | "
-                         f"{alone} | {r['never_wrong_x']:.3f} | {top(r['auto']['chosen'])} | {top(r['oracle_choices'])} | "
+                         f"{alone} | {r['never_wrong_x']:.3f} | {_top3(r['auto']['chosen'])} | {_top3(r['oracle_choices'])} | "
                          f"{r['ar']['tok_s']:.1f} / {r['auto']['tok_s']:.1f} |")
         same = [r["ar_over_plain_walk"] for r in m["requests"] if r["same_text"]]
         lines += ["", f"Check: `ar` wrote auto's text on {len(same)} of {len(m['requests'])} requests; there its priced "
