@@ -172,7 +172,7 @@ class SuffixDrafter:
             return EMPTY_DRAFT
         corpus = np.concatenate([self.history.tokens, np.asarray(context, dtype=np.int32)])
         ends, matched = self._longest_match(corpus, np.asarray(context[-self.max_match:], dtype=np.int32))
-        if ends.size == 0:
+        if not len(ends):
             return EMPTY_DRAFT
         tokens, confidence, siblings = [], [], []
         reach = 1.0
@@ -180,7 +180,7 @@ class SuffixDrafter:
         # match in a long history), a Python list once there are few, counted in a dict: auto asks every
         # round, with the caches a target pass leaves, where each of the dozen numpy calls np.unique and
         # a lexsort make costs ~15x what it does back to back (bench/auto_idle.py --cold).
-        following = ends + 1
+        following = [at + 1 for at in ends] if isinstance(ends, list) else ends + 1
         for i in range(k):
             if len(following) and following[-1] >= len(corpus):  # ran into the context's end (only the last can)
                 following = following[:-1]
@@ -223,19 +223,22 @@ class SuffixDrafter:
 
     def _copy_rest(self, corpus: np.ndarray, at: int, n: int, matched: int, tokens: list, confidence: list,
                    reach: float, gate) -> Draft:
-        """The walk with one occurrence left, vectorised: copy what follows it up to its output's end,
-        each token with confidence 1 / (1 + 1 / tokens matched), while the path stays likely."""
-        run = corpus[at:at + n]
-        stops = np.flatnonzero(run == SEPARATOR)
-        run = run[:stops[0]] if stops.size else run
-        p = 1.0 / (1.0 + 1.0 / (matched + np.arange(len(run))))
-        keep = int(np.searchsorted(-(reach * np.cumprod(p)), -self.min_reach, side="right"))
-        if gate is not None:  # the first token the gate refuses is the last one drafted
-            path = reach * np.cumprod(p[:keep])
-            refused = [j for j in range(min(keep, n - 1)) if not gate(len(tokens) + j + 1, float(p[j]), float(path[j]))]
-            keep = refused[0] + 1 if refused else keep
-        return Draft(np.concatenate([np.asarray(tokens, dtype=np.int32), run[:keep]]).astype(np.int32),
-                     confidence=np.concatenate([confidence, p[:keep]]))
+        """The walk with one occurrence left: copy what follows it up to its output's end, each token
+        with confidence 1 / (1 + 1 / tokens matched), while the path stays likely (in Python: a copy
+        is at most k tokens, and this runs every round)."""
+        run = corpus[at:at + n].tolist()
+        if SEPARATOR in run:
+            run = run[:run.index(SEPARATOR)]
+        for j, token in enumerate(run):
+            p = 1.0 / (1.0 + 1.0 / (matched + j))
+            if reach * p < self.min_reach:
+                break
+            reach *= p
+            tokens.append(token)
+            confidence.append(p)
+            if gate is not None and j + 1 < n and not gate(len(tokens), p, reach):
+                break
+        return Draft(np.asarray(tokens, dtype=np.int32), confidence=np.asarray(confidence, dtype=np.float64))
 
     @staticmethod
     def _ranked(nxt, following) -> list[tuple[int, int]]:
@@ -256,11 +259,25 @@ class SuffixDrafter:
         return list(zip(values[order].tolist(), counts[order].tolist()))
 
     @staticmethod
-    def _longest_match(corpus: np.ndarray, pattern: np.ndarray) -> tuple[np.ndarray, int]:
+    def _longest_match(corpus: np.ndarray, pattern: np.ndarray) -> tuple[np.ndarray | list[int], int]:
         """End positions of the longest suffix of `pattern` found in corpus[:-1] (so each has a
-        continuation), and its length, extending candidate matches leftward one token at a time
-        (at once, once a single candidate is left)."""
+        continuation), and its length. A few occurrences of the last token (a list comes back) are
+        each walked leftward in Python; many (an array) are extended together one token at a time
+        (each at once, once a single candidate is left)."""
         ends, matched = np.flatnonzero(corpus[:-1] == pattern[-1]), 1
+        if len(ends) <= FEW_OCCURRENCES:
+            tail = pattern.tolist()[::-1]  # tail[j]: the token j before the last
+            best, found = 0, []
+            for at in ends.tolist():
+                before = corpus[max(at + 1 - len(tail), 0):at + 1].tolist()[::-1]
+                n = 1
+                while n < len(before) and before[n] == tail[n]:
+                    n += 1
+                if n > best:
+                    best, found = n, [at]
+                elif n == best:
+                    found.append(at)
+            return found, best
         while ends.size > 1 and matched < len(pattern):
             before = ends - matched
             ok = before >= 0
@@ -274,7 +291,6 @@ class SuffixDrafter:
             left = corpus[end + 1 - span:end + 1][::-1] == pattern[::-1][:span]
             matched = span if left.all() else int(np.argmin(left))
         return ends, matched
-
 
 SUFFIX = DrafterSpec(
     "suffix", DrafterKind.COPIES, "copy from the prompt, the text so far and earlier outputs", default_k=8,
