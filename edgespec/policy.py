@@ -33,7 +33,7 @@ their rows in edgespec.drafters.table declare.
 
 from __future__ import annotations
 
-import statistics
+from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
@@ -125,8 +125,10 @@ class DecayedRates:
     keeps a bin that has seen nothing from looking perfect or hopeless."""
 
     def __init__(self, prior: np.ndarray, weight: float, decay: float):
-        self.hits = prior * weight
-        self.trials = np.full(len(prior), weight)
+        # hits and trials are rows of one array, so a decay is one numpy call (see the note on
+        # AdaptivePolicy.chain_speeds: this runs every round, right after a target pass)
+        self.counts = np.stack([prior * weight, np.full(len(prior), float(weight))])
+        self.hits, self.trials = self.counts
         self.decay = decay
         # What auto reads every round is computed from hits and trials once per change (`derived`):
         # they change only in rounds that judge this drafter. Auto's per-round work is what it loses
@@ -149,8 +151,7 @@ class DecayedRates:
         return value
 
     def decay_step(self) -> None:
-        self.hits *= self.decay
-        self.trials *= self.decay
+        self.counts *= self.decay
         self.changed()
 
 
@@ -171,8 +172,11 @@ class AcceptanceEstimate(DecayedRates):
         """Positions first .. first + n_passed - 1 passed and, if `failed`, the one after did not
         (every position before `first` passed, judged in earlier rounds)."""
         stop = min(first + n_passed + int(failed), len(self.trials))
-        self.trials[first:stop] += 1
-        self.hits[first:min(first + n_passed, stop)] += 1
+        hits, trials = self.hits, self.trials
+        for i in range(first, stop):  # a position or two a round: a loop beats two slices after a pass
+            trials[i] += 1.0
+            if i < first + n_passed:
+                hits[i] += 1.0
         self.changed()
 
     def assume(self, rates) -> None:
@@ -227,6 +231,7 @@ class ConfidenceCalibration(DecayedRates):
     """
 
     EDGES = np.array([0.2, 0.4, 0.6, 0.8, 0.95])
+    _EDGES = EDGES.tolist()
 
     def __init__(self, weight: float = 2.0, decay: float = 0.95):
         bin_confidence = np.array([0.1, 0.3, 0.5, 0.7, 0.875, 0.975])
@@ -244,9 +249,12 @@ class ConfidenceCalibration(DecayedRates):
 
     def record(self, confidence: np.ndarray, n_passed: int, failed: bool) -> None:
         """Tokens with these confidences: the first n_passed passed and, if `failed`, the next did not."""
-        bins = np.searchsorted(self.EDGES, confidence[:n_passed + int(failed)], side="right")
-        np.add.at(self.trials, bins, 1.0)
-        np.add.at(self.hits, bins[:n_passed], 1.0)
+        hits, trials = self.hits, self.trials
+        for i, c in enumerate(confidence[:n_passed + int(failed)].tolist()):  # a token or two a round
+            b = bisect_right(self._EDGES, c)
+            trials[b] += 1.0
+            if i < n_passed:
+                hits[b] += 1.0
         self.changed()
 
 
@@ -388,8 +396,9 @@ class OnlineCosts:
 
     def curve(self) -> list[float]:
         seen = [c >= self.MIN_SAMPLES for c in self.count]
-        ratios = [r for r, s in zip(self.ratio, seen) if s]
-        scale = statistics.median(ratios) if ratios else 1.0
+        ratios = sorted(r for r, s in zip(self.ratio, seen) if s)
+        n = len(ratios)  # their median, as statistics.median, without its cost every round
+        scale = (ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2) if n else 1.0
         return list(accumulate((p * (r if s else scale) for r, p, s in zip(self.ratio, self.prior, seen)), max))
 
 
