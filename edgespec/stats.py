@@ -60,6 +60,8 @@ class GenerationStats:
         rows = forced + n_drafted + 1
         self.passes_by_rows[rows] = self.passes_by_rows.get(rows, 0) + 1
         self.held_by_rows[rows] = self.held_by_rows.get(rows, 0) + held
+        if not n_drafted:  # most rounds, where a speculative mode finds nothing worth drafting
+            return
         if n_drafted > len(self.drafted_at):
             grow = n_drafted - len(self.drafted_at)
             self.drafted_at = np.concatenate([self.drafted_at, np.zeros(grow, dtype=np.int64)])

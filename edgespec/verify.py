@@ -23,10 +23,9 @@ class Verifier(Protocol):
 def accept_greedy(draft: np.ndarray, draft_probs: np.ndarray | None, target_rows: np.ndarray,
                   rng: np.random.Generator | None = None) -> tuple[int, int]:
     """Accept while the draft equals the target's argmax; then emit the target's own token."""
-    target_tokens = np.argmax(target_rows, axis=1)
-    mismatch = np.flatnonzero(draft != target_tokens[: len(draft)])
-    n = int(mismatch[0]) if mismatch.size else len(draft)
-    return n, int(target_tokens[n])
+    target_tokens = np.argmax(target_rows, axis=1).tolist()  # compared in Python: a few tokens, every round
+    n = next((i for i, (d, t) in enumerate(zip(np.asarray(draft).tolist(), target_tokens)) if d != t), len(draft))
+    return n, target_tokens[n]
 
 
 def accept_sampling(draft: np.ndarray, draft_probs: np.ndarray | None, target_rows: np.ndarray,
