@@ -33,6 +33,7 @@ their rows in edgespec.drafters.table declare.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
@@ -244,8 +245,11 @@ class ConfidenceCalibration(DecayedRates):
         return self.derived("lower", self._lower)[np.searchsorted(self.EDGES, confidence, side="right")]
 
     def _lower(self) -> np.ndarray:
-        p = self.hits / self.trials
-        return np.maximum(p - np.sqrt(p * (1 - p) / (self.trials + 1)), 0.0)  # <= p <= 1 already
+        lower = []  # six bins, recomputed most rounds: Python floats (see DecayedRates)
+        for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
+            p = hits / trials
+            lower.append(max(p - math.sqrt(p * (1 - p) / (trials + 1)), 0.0))  # <= p <= 1 already
+        return np.array(lower)
 
     def record(self, confidence: np.ndarray, n_passed: int, failed: bool) -> None:
         """Tokens with these confidences: the first n_passed passed and, if `failed`, the next did not."""
