@@ -55,6 +55,28 @@ class Draft:
 EMPTY_DRAFT = Draft(np.zeros(0, dtype=np.int32))
 
 
+# The model-free drafters find earlier occurrences of the context's last token and extend each match
+# leftward. Auto asks them every round, right after a target pass has streamed the weights through
+# the caches, where each numpy call on a short array costs ~15x what it does back to back
+# (bench/auto_idle.py --cold): a few occurrences (the median on the race's texts is one) are walked
+# in Python, many by arrays.
+FEW_OCCURRENCES = 64
+
+
+def match_lengths(tokens: np.ndarray, ends: list[int], pattern: list[int]) -> list[int]:
+    """For each position in `ends` (where tokens[end] == pattern[-1]), how many of `pattern`'s last
+    tokens tokens[:end + 1] ends with."""
+    tail = pattern[::-1]
+    lengths = []
+    for end in ends:
+        before = tokens[max(end + 1 - len(tail), 0):end + 1].tolist()[::-1]
+        n = 1
+        while n < len(before) and before[n] == tail[n]:
+            n += 1
+        lengths.append(n)
+    return lengths
+
+
 def lead_with(forced: np.ndarray, draft: Draft) -> Draft:
     """`forced` tokens, then the draft (drafted from the context with them appended): one round's
     proposal. The forced tokens are one-hot proposals, certain where the grammar admits nothing

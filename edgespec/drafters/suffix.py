@@ -30,13 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.atomic import atomic_write
-from edgespec.drafters.base import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, with_siblings
+from edgespec.drafters.base import EMPTY_DRAFT, FEW_OCCURRENCES, Draft, DrafterKind, DrafterSpec, match_lengths, with_siblings
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler
 
 DEFAULT_HISTORY_TOKENS = 1 << 16   # 256 KiB of int32 tokens
 MAX_MATCH = 32                     # longest suffix matched: longer ones add cost, not accuracy
-FEW_OCCURRENCES = 64               # continuations counted in Python lists, not arrays (SuffixDrafter.propose)
 SEPARATOR = -1                     # between stored outputs: no match or continuation crosses it
 FORMAT = "edgespec-suffix-history/1"
 _MAGIC = b"EDGESPEC-SUFFIX\n"
@@ -266,18 +265,10 @@ class SuffixDrafter:
         (each at once, once a single candidate is left)."""
         ends, matched = np.flatnonzero(corpus[:-1] == pattern[-1]), 1
         if len(ends) <= FEW_OCCURRENCES:
-            tail = pattern.tolist()[::-1]  # tail[j]: the token j before the last
-            best, found = 0, []
-            for at in ends.tolist():
-                before = corpus[max(at + 1 - len(tail), 0):at + 1].tolist()[::-1]
-                n = 1
-                while n < len(before) and before[n] == tail[n]:
-                    n += 1
-                if n > best:
-                    best, found = n, [at]
-                elif n == best:
-                    found.append(at)
-            return found, best
+            ends = ends.tolist()
+            lengths = match_lengths(corpus, ends, pattern.tolist())
+            longest = max(lengths, default=0)
+            return [end for end, n in zip(ends, lengths) if n == longest], longest
         while ends.size > 1 and matched < len(pattern):
             before = ends - matched
             ok = before >= 0
@@ -291,6 +282,7 @@ class SuffixDrafter:
             left = corpus[end + 1 - span:end + 1][::-1] == pattern[::-1][:span]
             matched = span if left.all() else int(np.argmin(left))
         return ends, matched
+
 
 SUFFIX = DrafterSpec(
     "suffix", DrafterKind.COPIES, "copy from the prompt, the text so far and earlier outputs", default_k=8,
