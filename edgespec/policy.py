@@ -547,6 +547,20 @@ class AdaptivePolicy:
             cost[1:] = [c + catchup for c in cost[1:]]
         return [x / c for x, c in zip(e, cost)]
 
+    def model_could_beat(self, name: str, k_cap: int, speed: float) -> bool:
+        """Whether a chain from draft model `name` could beat `speed` this round, by a bound that
+        model_speeds never exceeds: each chain's expected tokens over the least it could cost (the
+        cheapest pass of the curve, k drafted tokens at the draft's step, no catch-up or prefill).
+        On text the draft cannot follow most rounds end here, before the full pricing and before
+        asking the draft how far behind it is (auto's own work between passes, see chain_speeds)."""
+        est = self.estimates[name]
+        e = est.derived("emitted_list", lambda: est.expected_emitted().tolist())
+        step_s = self.specs[name].step_s(self.profile) or 0.0
+        floor, forced = min(self._verify_costs(k_cap)), self._forced
+        if floor <= 0.0:  # a hand-made curve with a free pass: no bound, price it
+            return True
+        return any((e[k] + forced) / (floor + k * step_s) > speed for k in range(1, k_cap + 1))
+
     def draft_prefill_s(self, n: int, step_s: float | None = None) -> float:
         """The draft model's prefill of n tokens, from its step cost (`step_s`, the draft model's by
         default) and the target's batching efficiency at that batch size (a batch of B costs verify(B)
@@ -581,6 +595,8 @@ class AdaptivePolicy:
             if k > 0 and speeds[k] > best.predicted_speed:
                 best = self._model_free_choice(drafter, proposal, k, float(speeds[k]))
         for drafter in self._models:
+            if not self.model_could_beat(drafter.name, k_cap, best.predicted_speed):
+                continue
             speeds = self.model_speeds(drafter.name, k_cap, drafter.unseen(state.committed), state.remaining,
                                        state.n - state.n_prompt)
             k = _argmax(speeds)

@@ -66,6 +66,31 @@ def test_flat_verify_and_high_acceptance_choose_a_long_draft():
     assert choice.predicted_speed > 3 * policy.plain_speed()
 
 
+def test_the_draft_models_bound_never_skips_a_chain_that_would_win():
+    """choose skips pricing a draft model where model_could_beat says no chain can beat the best so
+    far: on random curves (measured-like, not always increasing), rates, forced tokens, rows of other
+    requests, catch-up and prefill, the bound is never below what model_speeds prices, and it does
+    skip where the draft cannot pay (an idle text's rounds)."""
+    rng = np.random.default_rng(3)
+    skipped = 0
+    for _ in range(400):
+        step = float(rng.uniform(5, 15)) * MS
+        curve = {n: step * float(rng.uniform(0.8, 1.2)) * (1 + float(rng.uniform(0.1, 1.0)) * (n - 1)) for n in (1, 2, 3, 4, 6, 8, 10)}
+        profile = CostProfile(curve, float(rng.uniform(0.5, 12)) * MS, float(rng.uniform(1, 20)) * MS, 0.05 * MS)
+        policy = AdaptivePolicy(profile, None, _Named("draft"), k_max=8)
+        policy.estimates["draft"].assume(rng.uniform(0.0, 1.0, size=8))
+        policy.rows_besides = int(rng.choice([0, 0, 3]))
+        policy._forced = int(rng.choice([0, 0, 2]))
+        k_cap = int(rng.integers(1, 9))
+        speeds = policy.model_speeds("draft", k_cap, unseen=int(rng.integers(0, 40)), remaining=int(rng.integers(1, 200)),
+                                     generated=int(rng.integers(0, 40)))
+        for beat in (policy.plain_speed(), float(max(speeds[1:])) * 0.999, float(max(speeds[1:])) * 1.5):
+            if max(speeds[1:]) > beat:
+                assert policy.model_could_beat("draft", k_cap, beat)
+            skipped += not policy.model_could_beat("draft", k_cap, beat)
+    assert skipped > 100
+
+
 def test_lookup_is_bounded_by_the_match():
     lookup = PromptLookupDrafter()
     policy = with_acceptance(AdaptivePolicy(flat_profile(), lookup, None, k_max=8), "lookup", 0.95)
