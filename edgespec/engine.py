@@ -123,6 +123,11 @@ class Verification:
         return self.draft.tokens[[i - 1 for i in self.path]]
 
 
+def emitted(v: Verification) -> list[int]:
+    """The tokens a round emits before any stop: the accepted drafted tokens, then the target's own."""
+    return [*v.accepted.tolist(), int(v.token)]
+
+
 class Engine:
     """A target model, optionally a draft model, and the speculative loop that runs them.
 
@@ -407,9 +412,9 @@ class Engine:
         f = v.draft.forced
         state.stats.record_round(drafter_name, len(v.draft) - f, max(0, v.n_accepted - f),
                                  forced=f, forced_accepted=min(f, v.n_accepted), held=state.n)
-        new = np.append(v.accepted, np.int32(v.token)).astype(np.int32)
+        new = emitted(v)  # a Python list: a token or a few, every round, right after a pass
         eog = self.target.vocab.eog
-        for i, token in enumerate(new.tolist()):
+        for i, token in enumerate(new):
             if token in eog:
                 new, state.finish_reason = new[:i], "stop"
                 break
@@ -417,7 +422,7 @@ class Engine:
             new = new[: state.remaining]
             state.finish_reason = state.finish_reason or "length"
         if state.top_logprobs is not None and v.logits is not None:
-            state.logprobs.extend(token_logprobs(v.logits, new.tolist(), state.top_logprobs))
+            state.logprobs.extend(token_logprobs(v.logits, new, state.top_logprobs))
         state.context[state.n:state.n + len(new)] = new
         state.n += len(new)
         if state.grammar is not None:
@@ -425,7 +430,7 @@ class Engine:
         state.stats.generated += len(new)
         if state.stats.ttft_s == 0.0 and len(new):
             state.stats.ttft_s = time.perf_counter() - state.t_start
-        return new
+        return np.array(new, dtype=np.int32)
 
     def check_fits(self, n_prompt: int, config: GenerationConfig) -> None:
         """A prompt plus its budget must fit the context: said before anything runs."""
@@ -499,8 +504,7 @@ class Engine:
         name = choice.drafter.name if choice.drafter is not None and len(v.draft) > f else "none"
         new = self.accept_step(state, v, name)
         if v.n_accepted >= f:  # the drafter's part was judged from where it started (after the forced tokens)
-            policy.observe(choice, len(v.draft) - f, v.n_accepted - f, np.append(v.accepted, v.token)[f:],
-                           pass_s=v.pass_s if not f else None)
+            policy.observe(choice, len(v.draft) - f, v.n_accepted - f, emitted(v)[f:], pass_s=v.pass_s if not f else None)
         return new
 
     # -- public API ---------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class Policy(Protocol):
 
     def choose(self, state: "SpeculativeState") -> Choice: ...
 
-    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
+    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: Sequence[int], *,
                 pass_s: float | None = None) -> None:
         """What the round emitted; `pass_s`: how long its target pass over n_drafted + 1 rows took."""
 
@@ -116,7 +116,7 @@ class FixedPolicy:
         k = min(self.k, state.remaining - 1)
         return Choice(self.drafter, k) if k > 0 else NO_DRAFT
 
-    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
+    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: Sequence[int], *,
                 pass_s: float | None = None) -> None:
         pass
 
@@ -282,12 +282,13 @@ class ShadowScorer:
         if len(draft) and sum(entry[0] == name for entry in self._pending) < self.OPEN_PER_DRAFTER:
             self._pending.append([name, draft, start, 0])
 
-    def observe(self, start: int, committed: np.ndarray) -> list[tuple[str, Draft, int, int, bool]]:
+    def observe(self, start: int, committed: Sequence[int]) -> list[tuple[str, Draft, int, int, bool]]:
         """`committed` are the tokens now at positions start, start + 1, ...; returns, per proposal
         they judge, (drafter name, draft, index of its first newly judged token, how many of them
         matched, whether the next one failed)."""
         judged, still = [], []
-        committed = committed.tolist()  # a few tokens against a few proposals: lists beat array calls
+        # a few tokens against a few proposals: lists beat array calls
+        committed = committed.tolist() if isinstance(committed, np.ndarray) else list(committed)
         for entry in self._pending:
             name, draft, first, done = entry
             if start - first != done:  # not in step (a gap in what was observed): cannot be judged
@@ -665,7 +666,7 @@ class AdaptivePolicy:
 
         return add_sibling
 
-    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: np.ndarray, *,
+    def observe(self, choice: Choice, n_drafted: int, n_accepted: int, emitted: Sequence[int], *,
                 pass_s: float | None = None) -> None:
         # A measured profile (it has a key) is corrected by this generation's timings; one given by
         # hand (a prediction, a GPU-like curve) is taken as given.
@@ -676,7 +677,7 @@ class AdaptivePolicy:
             self.estimates[choice.drafter.name].update(n_drafted, n_accepted)
         # Model-free drafters learn from their shadow proposals alone (the drafted tokens are a
         # prefix of them), so a round's draft is not counted twice; their estimates decay per round.
-        judged = self.shadows.observe(self._round_start, np.asarray(emitted))
+        judged = self.shadows.observe(self._round_start, emitted)
         levels = {(name, draft.evidence) for name, draft, *_ in judged if draft.evidence}
         for key in levels - self.by_evidence.keys():
             self.by_evidence[key] = EvidenceEstimate(self.k_max)
