@@ -2,7 +2,7 @@
 
     python -m edgespec.bench.code_ab --base REV --modules edgespec.policy,edgespec.drafters.lookup
                                      [--mode auto] [--models smollm2] [--threads 1] [--classes chat]
-                                     [--repeats 3] [--max-tokens 96] [--out FILE]
+                                     [--repeats 3] [--max-tokens 96] [--limit N] [--out FILE]
 
 A change that saves 0.05 ms a round is 0.4 % of a SmolLM2 step: two races, minutes apart, differ by
 more. Here both versions run in the same process on the same loaded model, prompt by prompt, the
@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import subprocess
 import sys
 import time
 import types
 from pathlib import Path
-
-import numpy as np
 
 
 def module_at(rev: str, name: str) -> tuple[types.ModuleType, types.ModuleType]:
@@ -75,14 +72,6 @@ def use(patches, version: str) -> None:
             setattr(owner, attr, value)
 
 
-def geomean_interval(xs: list[float], seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    logs = np.log(xs)
-    boot = [float(np.exp(np.mean(rng.choice(logs, len(logs))))) for _ in range(2000)]
-    low, high = np.percentile(boot, [5, 95])
-    return {"value": float(np.exp(np.mean(logs))), "low": float(low), "high": float(high), "n": len(xs)}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edgespec.bench.code_ab", description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="the commit whose code runs as 'old'")
@@ -97,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the runs and the summary as JSON")
     args = p.parse_args(argv)
 
-    import edgespec.runtimes.llamacpp as lc
+    from edgespec.bench.pass_trace import alternated, decode_timing, timed_target_passes
     from edgespec.bench.race import edgespec_run, shipped_items
-    from edgespec.bench.run import describe_machine, setups
+    from edgespec.bench.run import publish, setups
+    from edgespec.bench.stats_ci import geomean_interval
     from edgespec.engine import Engine
     from edgespec.models import store
 
@@ -107,41 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     [setup] = setups(args.models)
     engine = Engine.load(store.resolve(setup.target), setup.draft_path(), n_ctx=4096, n_threads=args.threads, trees=False)
     engine.cost_profile()
-    decode, passes = lc.ll.llama_decode, []
-
-    def timed(ctx, batch):
-        t = time.perf_counter()
-        rc = decode(ctx, batch)
-        if ctx == engine.target._ctx:
-            passes.append((t, time.perf_counter() - t, batch.n_tokens))
-        return rc
-
     classes = args.classes.split(",")
     items = [i for c in classes for i in [i for i in shipped_items(None) if i.category == c][:args.limit]]
     runs, outputs = [], []
-    lc.ll.llama_decode = timed
     try:
-        for item in items:
-            ids = engine.prompt_tokens(item.messages)
-            for repeat in range(args.repeats):
-                for version in ("new", "old") if repeat % 2 == 0 else ("old", "new"):
-                    use(patches, version)
-                    passes.clear()
-                    time.sleep(0.3)
-                    try:
-                        out = edgespec_run(engine, version, args.mode, None, ids, outputs, args.max_tokens)
-                    finally:
-                        use(patches, "new")
-                    rounds = passes[1:]  # the first is the prompt's prefill
-                    span = rounds[-1][0] + rounds[-1][1] - rounds[0][0]
-                    single = [s for _, s, n in rounds if n == 1]
-                    runs.append({"item": item.id, "version": version, "repeat": repeat, "tok_s": out["tok_s"],
-                                 "rounds": len(rounds), "span_s": span, "pass_s": sum(s for _, s, _ in rounds),
-                                 "single_pass_s": statistics.mean(single) if single else None,
-                                 "chosen": out["chosen"], "tokens": out["tokens"]})
-            outputs.append(next(r["tokens"] for r in runs if r["item"] == item.id and r["version"] == "new"))
+        with timed_target_passes(engine) as passes:
+            for item, ids, repeat, version, last in alternated(engine, items, args.repeats, ("new", "old")):
+                use(patches, version)
+                passes.clear()
+                time.sleep(0.3)
+                try:
+                    out = edgespec_run(engine, version, args.mode, None, ids, outputs, args.max_tokens)
+                finally:
+                    use(patches, "new")
+                runs.append({"item": item.id, "version": version, "repeat": repeat, "tok_s": out["tok_s"],
+                             **decode_timing(passes), "chosen": out["chosen"], "tokens": out["tokens"]})
+                if last:  # later prompts' suffix history holds this one's output under the new code
+                    outputs.append(next(r["tokens"] for r in runs if r["item"] == item.id and r["version"] == "new"))
     finally:
-        lc.ll.llama_decode = decode
         use(patches, "new")
         engine.close()
 
@@ -151,26 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     for version, mine in (("new", new), ("old", old)):
         rounds = sum(r["rounds"] for r in mine)
         summary[version] = {"rounds": rounds,
-                            "between_ms_per_round": 1e3 * sum(r["span_s"] - r["pass_s"] for r in mine) / rounds,
+                            "between_ms_per_round": 1e3 * sum(r["between_s"] for r in mine) / rounds,
                             "pass_ms_per_round": 1e3 * sum(r["pass_s"] for r in mine) / rounds,
                             "drafting_rounds": sum(n for r in mine for key, n in r["chosen"].items()
                                                    if not key.endswith(":0"))}
     summary["new_over_old"] = {
-        "tok_s": geomean_interval([a["tok_s"] / b["tok_s"] for a, b in zip(new, old)]),
-        "span": geomean_interval([a["span_s"] / b["span_s"] for a, b in zip(new, old)]),
+        "tok_s": geomean_interval([a["tok_s"] / b["tok_s"] for a, b in zip(new, old)]).to_dict(),
+        "span": geomean_interval([a["span_s"] / b["span_s"] for a, b in zip(new, old)]).to_dict(),
         "single_pass": geomean_interval([a["single_pass_s"] / b["single_pass_s"] for a, b in zip(new, old)
-                                         if a["single_pass_s"] and b["single_pass_s"]]),
+                                         if a["single_pass_s"] and b["single_pass_s"]]).to_dict(),
         "between_ms_per_round_median_difference": statistics.median(
-            1e3 * ((a["span_s"] - a["pass_s"]) / a["rounds"] - (b["span_s"] - b["pass_s"]) / b["rounds"])
+            1e3 * (a["between_s"] / a["rounds"] - b["between_s"] / b["rounds"])
             for a, b in zip(new, old)),
         "same_text": all(a["tokens"] == b["tokens"] for a, b in zip(new, old))}
-    doc = {"command": "python -m edgespec.bench.code_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": describe_machine(), "summary": summary,
-           "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
-    print(json.dumps({"command": doc["command"], "summary": summary}, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1))
+    publish("code_ab", argv, summary, args.out, runs=[{k: v for k, v in r.items() if k != "tokens"} for r in runs])
     return 0
 
 

@@ -18,10 +18,55 @@ against plain's 0.56). Beside the timed passes, their price by the cost profile 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def timed_target_passes(engine) -> Iterator[list[tuple[float, float, int]]]:
+    """While inside, every llama_decode on the engine's target context is timed: (start, seconds,
+    tokens) appended to the list it yields (the caller clears it between runs)."""
+    import edgespec.runtimes.llamacpp as lc
+
+    decode, passes = lc.ll.llama_decode, []
+
+    def timed(ctx, batch):
+        t = time.perf_counter()
+        rc = decode(ctx, batch)
+        if ctx == engine.target._ctx:
+            passes.append((t, time.perf_counter() - t, batch.n_tokens))
+        return rc
+
+    lc.ll.llama_decode = timed
+    try:
+        yield passes
+    finally:
+        lc.ll.llama_decode = decode
+
+
+def alternated(engine, items, repeats: int, pair: tuple[str, str]):
+    """(item, its prompt's ids, repeat, system, whether this is the item's last run): each item
+    `repeats` times, both systems of `pair` each time, the order alternated per repeat."""
+    for item in items:
+        ids = engine.prompt_tokens(item.messages)
+        for repeat in range(repeats):
+            order = pair if repeat % 2 == 0 else pair[::-1]
+            for system in order:
+                yield item, ids, repeat, system, repeat == repeats - 1 and system == order[-1]
+
+
+def decode_timing(passes: list[tuple[float, float, int]]) -> dict:
+    """One run's passes (timed_target_passes) after its prompt's prefill: how many, the seconds in
+    them, the span from the first one's start to the last one's end, and what lies between them."""
+    rounds = passes[1:]  # the first is the prompt's prefill
+    span = rounds[-1][0] + rounds[-1][1] - rounds[0][0]
+    in_passes = sum(s for _, s, _ in rounds)
+    single = [s for _, s, n in rounds if n == 1]
+    return {"rounds": len(rounds), "pass_s": in_passes, "span_s": span, "between_s": span - in_passes,
+            "single_pass_s": sum(single) / len(single) if single else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the runs and the summary as JSON")
     args = p.parse_args(argv)
 
-    import edgespec.runtimes.llamacpp as lc
     from edgespec.bench.race import AutoOracle, edgespec_run, shipped_items
-    from edgespec.bench.run import describe_machine, setups
+    from edgespec.bench.run import publish, setups
     from edgespec.engine import Engine
     from edgespec.models import store
 
@@ -44,39 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(store.resolve(setup.target), setup.draft_path(), n_ctx=4096, n_threads=args.threads, trees=False)
     engine.cost_profile(refresh=True)
     prices = AutoOracle(engine)
-    decode, passes = lc.ll.llama_decode, []
-
-    def timed(ctx, batch):
-        t = time.perf_counter()
-        rc = decode(ctx, batch)
-        if ctx == engine.target._ctx:
-            passes.append((t, time.perf_counter() - t))
-        return rc
-
     classes = set(args.classes.split(","))
     items = [i for i in shipped_items(None) if i.category in classes]
     runs, outputs = [], []
-    lc.ll.llama_decode = timed
     try:
-        for item in items:
-            ids = engine.prompt_tokens(item.messages)
-            for repeat in range(args.repeats):
-                for mode in ("ar", "auto") if repeat % 2 == 0 else ("auto", "ar"):
-                    passes.clear()
-                    time.sleep(0.5)
-                    out = edgespec_run(engine, mode, mode, None, ids, outputs, args.max_tokens, prices)
-                    rounds = passes[1:]  # the first is the prompt's prefill
-                    span = rounds[-1][0] + rounds[-1][1] - rounds[0][0]
-                    in_passes = sum(s for _, s in rounds)
-                    runs.append({"item": item.id, "mode": mode, "repeat": repeat, "tok_s": out["tok_s"],
-                                 "rounds": len(rounds), "pass_s": in_passes, "span_s": span,
-                                 "between_s": span - in_passes, "priced_pass_s": out["priced_pass_s"],
-                                 "chosen": out["chosen"]})
-                    if mode == "ar" and repeat == 0:
-                        plain_tokens = out["tokens"]
-            outputs.append(plain_tokens)
+        with timed_target_passes(engine) as passes:
+            for item, ids, repeat, mode, last in alternated(engine, items, args.repeats, ("ar", "auto")):
+                passes.clear()
+                time.sleep(0.5)
+                out = edgespec_run(engine, mode, mode, None, ids, outputs, args.max_tokens, prices)
+                runs.append({"item": item.id, "mode": mode, "repeat": repeat, "tok_s": out["tok_s"],
+                             **decode_timing(passes), "priced_pass_s": out["priced_pass_s"], "chosen": out["chosen"]})
+                if mode == "ar" and repeat == 0:
+                    plain_tokens = out["tokens"]
+                if last:  # later prompts' suffix history holds this one's plain output
+                    outputs.append(plain_tokens)
     finally:
-        lc.ll.llama_decode = decode
         engine.close()
 
     summary = {}
@@ -93,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["auto_over_plain"] = {"span": a["span_s"] / b["span_s"], "passes": a["pass_s"] / b["pass_s"],
                                   "priced_passes": a["priced_pass_s"] / b["priced_pass_s"],
                                   "between_ms_per_round_extra": a["between_ms_per_round"] - b["between_ms_per_round"]}
-    doc = {"command": "python -m edgespec.bench.pass_trace " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": describe_machine(), "summary": summary, "runs": runs}
-    print(json.dumps({"command": doc["command"], "summary": summary}, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1))
+    publish("pass_trace", argv, summary, args.out, runs=runs)
     return 0
 
 

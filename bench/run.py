@@ -411,6 +411,18 @@ class Settings:
     only: tuple[str, ...] = ()  # --systems: run just these (names as in the tables), plain always included
 
 
+def publish(module: str, argv: list[str] | None, summary: dict, out: Path | None, **more) -> dict:
+    """A small bench's record: its command, the machine and its summary (printed), plus `more`
+    (its runs: written with the rest to `out` as JSON)."""
+    doc = {"command": f"python -m edgespec.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": describe_machine(), "summary": summary, **more}
+    print(json.dumps({"command": doc["command"], "summary": summary}, indent=1))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None

@@ -301,6 +301,33 @@ def test_pass_trace_times_every_pass_beside_its_price(tmp_path, smollm2_path):
             sum(r["pass_s"] for r in mine) / sum(r["priced_pass_s"] for r in mine))
 
 
+def test_code_ab_runs_an_earlier_commits_code_beside_the_working_trees(tmp_path, smollm2_path):
+    """bench/code_ab: the named modules' classes and functions as they were at a commit take the live
+    ones' place for the "old" runs and give it back after; both versions alternate on each prompt.
+    Against HEAD the code is the same, so greedy text must be too."""
+    from edgespec.bench import code_ab
+    from edgespec.policy import AdaptivePolicy, exclusive
+    import edgespec.policy as policy
+
+    live, old = code_ab.module_at("HEAD", "edgespec.policy")
+    assert live is policy and old is not policy and old.AdaptivePolicy is not AdaptivePolicy
+    patches = code_ab.swaps(live, old)
+    code_ab.use(patches, "old")
+    try:
+        assert AdaptivePolicy.choose is old.AdaptivePolicy.choose and policy.exclusive is old.exclusive
+    finally:
+        code_ab.use(patches, "new")
+    assert AdaptivePolicy.choose is not old.AdaptivePolicy.choose and policy.exclusive is exclusive
+
+    out = tmp_path / "ab.json"
+    assert code_ab.main(["--base", "HEAD", "--modules", "edgespec.policy", "--classes", "chat", "--limit", "1",
+                         "--repeats", "2", "--max-tokens", "8", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["version"] for r in doc["runs"]] == ["new", "old", "old", "new"]
+    assert doc["summary"]["new_over_old"]["same_text"] and doc["summary"]["new_over_old"]["span"]["n"] == 2
+    assert all(r["rounds"] > 0 and 0 < r["pass_s"] <= r["span_s"] for r in doc["runs"])
+
+
 # --- the statistics and the oracle on hand-made cases ----------------------------------------------------
 
 def test_the_geometric_mean_interval_resamples_prompts_within_their_class():
