@@ -118,8 +118,8 @@ def test_lookup_takes_the_longest_match_then_the_latest():
     assert list(lookup.propose(np.array([5, 3, 6, 5, 3, 7, 5, 3]), 2, sampler).tokens) == [7, 5]
     assert len(PromptLookupDrafter(4, 2).propose(np.array([1, 3, 2, 3]), 4, sampler)) == 0  # 1 < ngram_min
     rng = np.random.default_rng(0)  # and exactly the definition, on many small-alphabet contexts, with
-    for _ in range(3000):           # few earlier occurrences of the last token and with many (walked apart)
-        context = rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 40) if _ % 10 else rng.integers(150, 400))
+    for i in range(3000):           # few earlier occurrences of the last token and with many (walked apart)
+        context = rng.integers(0, rng.integers(2, 6), size=rng.integers(1, 40) if i % 10 else rng.integers(150, 400))
         for ngram_max, ngram_min in ((4, 1), (3, 2), (1, 1)):
             got = PromptLookupDrafter(ngram_max, ngram_min).propose(context, 6, sampler).tokens
             assert list(got) == _lookup_by_definition(context, 6, ngram_max, ngram_min), (context, ngram_max)
