@@ -106,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 use(patches, version)
                 passes.clear()
                 time.sleep(0.3)
-                try:
-                    out = edgespec_run(engine, version, args.mode, None, ids, outputs, args.max_tokens)
-                finally:
-                    use(patches, "new")
+                out = edgespec_run(engine, version, args.mode, None, ids, outputs, args.max_tokens)
+                use(patches, "new")  # (and below, should a run fail)
                 runs.append({"item": item.id, "version": version, "repeat": repeat, "tok_s": out["tok_s"],
                              **decode_timing(passes), "chosen": out["chosen"], "tokens": out["tokens"]})
                 if last:  # later prompts' suffix history holds this one's output under the new code

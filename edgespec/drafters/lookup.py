@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgespec.drafters import base
-from edgespec.drafters.base import EMPTY_DRAFT, Draft, DrafterKind, DrafterSpec, match_lengths
+from edgespec.drafters.base import EMPTY_DRAFT, FEW_OCCURRENCES, Draft, DrafterKind, DrafterSpec, match_lengths
 from edgespec.sampling import Sampler
 
 
@@ -37,11 +36,11 @@ class PromptLookupDrafter:
         # Ends of earlier occurrences of the last token (each with at least one token after it),
         # extended leftward while they keep matching the context's tail, up to ngram_max tokens.
         ends = np.flatnonzero(context[:-1] == context[-1])
-        if len(ends) <= base.FEW_OCCURRENCES:
+        if len(ends) <= FEW_OCCURRENCES:
             ends = ends.tolist()
             lengths = match_lengths(context, ends, context[-self.ngram_max:].tolist())
             longest = max(lengths, default=0)
-            end = ends[len(lengths) - 1 - lengths[::-1].index(longest)] if lengths else -1
+            end = max((at for at, n in zip(ends, lengths) if n == longest), default=-1)  # the latest
         else:
             longest, end = self._longest_many(context, ends)
         if longest < self.ngram_min:
